@@ -1,0 +1,35 @@
+import subprocess
+import sys
+
+from kvmesh import __version__
+from kvmesh.cluster.trace_demo import TraceConfig, run_trace
+
+
+def kvmesh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.cluster", *args], capture_output=True, text=True
+    )
+
+
+def test_version_and_help() -> None:
+    out = kvmesh("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"kvmesh {__version__}"
+    out = kvmesh("--help")
+    assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_unknown_command_is_refused() -> None:
+    out = kvmesh("frobnicate")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_synthetic_trace_hits_evicts_and_loads() -> None:
+    lines: list[str] = []
+    totals = run_trace(TraceConfig(), out=lines.append)
+    assert totals["requests"] == 12 and len(lines) == 14
+    # Every request after the first shares at least the system prompt's full blocks.
+    assert totals["local_hit_tokens"] >= 11 * 48
+    # The pool is too small for everything: blocks are evicted and some come back by load.
+    assert totals["evictions"] > 0 and totals["loaded_tokens"] > 0
+    assert totals["connector_hits_loaded"] * 8 == totals["loaded_tokens"]
+    assert totals["connector_evicted_blocks"] == totals["evictions"]

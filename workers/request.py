@@ -1,0 +1,71 @@
+"""The per-request state that the KV cache manager and the scheduler share."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+from kvmesh.workers.block_hash import BlockHash, BlockHasher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """A sequence of prompt tokens and the tokens generated after them.
+
+    ``block_hashes`` grows with the sequence: every full block, prompt or output, gets a
+    chained hash, so decoded blocks can be cached and shared too.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_size: int,
+        namespace: bytes,
+        params: Any = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must hold at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = RequestStatus.WAITING
+        # Tokens whose KV is in this request's blocks (local hits + pulled + computed).
+        self.num_computed_tokens = 0
+        self._hasher = BlockHasher(block_size, namespace)
+        self._hasher.extend(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Hashes of every full block of ``all_token_ids`` (do not mutate)."""
+        return self._hasher.hashes
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._hasher.extend((token_id,))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )
