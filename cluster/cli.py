@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvmesh import __version__
+
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,22 +17,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="run the demo")
+
+    demo = sub.add_parser("demo", help="a real answer, then a second request reusing its prefix")
+    demo.add_argument("--model", default=DEFAULT_MODEL)
     demo.add_argument(
         "--synthetic",
         action="store_true",
-        help="a synthetic multi-request trace through one block pool (no model)",
+        help="instead: a synthetic multi-request trace through one block pool (no model)",
     )
+
+    for name, help_ in (("generate", "complete one prompt"), ("chat", "chat interactively")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--model", default=DEFAULT_MODEL, help="a known name, .gguf or HF dir")
+        p.add_argument("--max-tokens", type=int, default=128 if name == "chat" else 64)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None)
+        if name == "generate":
+            p.add_argument("prompt")
+        else:
+            p.add_argument("--system", default=None, help="a system prompt")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "demo" and args.synthetic:
         from kvmesh.cluster.trace_demo import TraceConfig, run_trace
 
         run_trace(TraceConfig())
         return 0
-    parser.print_help()
+    try:
+        if args.command == "demo":
+            from kvmesh.cluster.engine_demo import run_demo
+
+            run_demo(args.model)
+        elif args.command == "generate":
+            from kvmesh.cluster.interactive import generate
+
+            generate(args)
+        else:
+            from kvmesh.cluster.interactive import chat
+
+            chat(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"kvmesh: error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -1,3 +1,28 @@
-"""kvmesh: an LLM serving cluster on Ray whose workers share paged KV blocks."""
+"""kvmesh: an LLM serving cluster on Ray whose workers share paged KV blocks.
+
+``LLM`` and ``SamplingParams`` import torch, so they load on first use: ``kvmesh --version``
+and the bookkeeping modules stay light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from kvmesh.workers.llm import LLM
+    from kvmesh.workers.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from kvmesh.workers.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from kvmesh.workers.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'kvmesh' has no attribute {name!r}")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.workers.block_hash import BlockHash, BlockHasher
+from kvmesh.workers.outputs import RequestMetrics
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +40,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.status = RequestStatus.WAITING
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         # Tokens whose KV is in this request's blocks (local hits + pulled + computed).
         self.num_computed_tokens = 0
         self._hasher = BlockHasher(block_size, namespace)

@@ -1,0 +1,239 @@
+"""Paged attention backends vs a dense causal reference computed without any cache, plus the
+metadata builder and the paged KV cache's layout and byte copies."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from kvmesh.workers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    FlashAttentionBackend,
+    TorchAttentionBackend,
+    get_attn_backend,
+)
+from kvmesh.workers.kv_cache import KVCache, parse_memory
+from kvmesh.workers.model_config import ModelConfig
+
+D = 16
+
+
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [Lq, Hq, D] are the last Lq positions of a context whose full K/V is k, v [S, Hkv, D]."""
+    lq, hq, _ = q.shape
+    s, hkv, _ = k.shape
+    k = k.double().repeat_interleave(hq // hkv, dim=1)
+    v = v.double().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [Hq, Lq, S]
+    qpos = torch.arange(s - lq, s)[:, None]
+    scores = scores.masked_fill(torch.arange(s)[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [Lq, Hq, D]
+
+
+def run_case(
+    backend: AttentionBackend,
+    query_lens: list[int],
+    seq_lens: list[int],
+    hq: int,
+    hkv: int,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> float:
+    """One step of a mixed batch with cached prefixes pre-written; returns the max abs error."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    ids = list(range(1, num_blocks))  # block 0 stays unused, as the padding id
+    rng.shuffle(ids)
+    tables = []
+    for s in seq_lens:  # random, non-contiguous block ids per sequence
+        n = -(-s // block_size)
+        tables.append([ids.pop() for _ in range(n)])
+    # Garbage everywhere else: padding entries and unused slots must be masked, not just zero.
+    k_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(device, dtype)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    qs, ks, vs, refs = [], [], [], []
+    scale = D**-0.5
+    for lq, s, table in zip(query_lens, seq_lens, tables, strict=True):
+        q = torch.randn(lq, hq, D, generator=gen).to(dtype)
+        k = torch.randn(s, hkv, D, generator=gen).to(dtype)
+        v = torch.randn(s, hkv, D, generator=gen).to(dtype)
+        for p in range(s - lq):  # the cached prefix, written by "earlier steps"
+            k_cache[table[p // block_size], p % block_size] = k[p]
+            v_cache[table[p // block_size], p % block_size] = v[p]
+        refs.append(dense_reference(q, k, v, scale))
+        qs.append(q)
+        ks.append(k[s - lq :])
+        vs.append(v[s - lq :])
+    out = backend.forward(
+        torch.cat(qs).to(device),
+        torch.cat(ks).to(device),
+        torch.cat(vs).to(device),
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+    )
+    assert out.shape == (sum(query_lens), hq, D) and out.dtype == dtype
+    new_k = torch.cat(ks).to(device)
+    flat = k_cache.view(-1, hkv, D)
+    assert torch.equal(flat[meta.slot_mapping], new_k), "new K not written at slot_mapping"
+    return (out.double().cpu() - torch.cat(refs)).abs().max().item()
+
+
+HEADS = [(4, 4), (4, 2), (8, 1)]
+
+
+@pytest.mark.parametrize(("hq", "hkv"), HEADS)
+def test_mixed_batch_prefills_with_prefix_and_decodes(hq: int, hkv: int) -> None:
+    # Order mixes kinds: prefix prefill, decode, fresh prefill, decode, prefix prefill across
+    # blocks, single-token prompt (a decode-shaped row).
+    err = run_case(TorchAttentionBackend(), [5, 1, 9, 1, 6, 1], [12, 7, 9, 17, 6 + 11, 1], hq, hkv)
+    assert err < 1e-5, f"max abs diff {err}"
+
+
+@pytest.mark.parametrize(("hq", "hkv"), HEADS)
+def test_pure_decodes(hq: int, hkv: int) -> None:
+    err = run_case(TorchAttentionBackend(), [1] * 5, [3, 16, 1, 9, 30], hq, hkv)
+    assert err < 1e-5, f"max abs diff {err}"
+
+
+def test_pure_fresh_prefills() -> None:
+    err = run_case(TorchAttentionBackend(), [7, 13, 2], [7, 13, 2], 4, 2)
+    assert err < 1e-5, f"max abs diff {err}"
+
+
+def test_chunked_prefill_in_two_steps() -> None:
+    """A 13-token prompt as chunks of 7 then 6 through the cache equals one dense pass."""
+    backend, hq, hkv, bs = TorchAttentionBackend(), 4, 2, 4
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(13, h, D, generator=gen) for h in (hq, hkv, hkv))
+    table = [9, 2, 14, 5]
+    k_cache, v_cache = torch.randn(16, bs, hkv, D), torch.randn(16, bs, hkv, D)
+    outs = []
+    for lo, hi in ((0, 7), (7, 13)):
+        meta = AttentionMetadata.build([hi - lo], [hi], [table], bs, "cpu")
+        outs.append(backend.forward(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, meta, D**-0.5))
+    err = (torch.cat(outs).double() - dense_reference(q, k, v, D**-0.5)).abs().max().item()
+    assert err < 1e-5, f"max abs diff {err}"
+
+
+def test_bf16_cache() -> None:
+    err = run_case(TorchAttentionBackend(), [5, 1, 4], [9, 6, 4], 4, 2, dtype=torch.bfloat16)
+    assert err < 5e-2, f"max abs diff {err}"
+
+
+def test_metadata_build() -> None:
+    meta = AttentionMetadata.build([3, 1], [5, 6], [[7, 2, 3], [4, 0, 8, 1]], 2, "cpu")
+    assert meta.query_start_loc.tolist() == [0, 3, 4]
+    assert meta.query_start_loc.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+    assert meta.block_tables.dtype == torch.int32
+    assert meta.block_tables.tolist() == [[7, 2, 3, 0], [4, 0, 8, 1]]
+    # seq 0 writes positions 2, 3, 4 -> (block 2, 0), (2, 1), (3, 0); seq 1 position 5 -> (8, 1)
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.slot_mapping.tolist() == [4, 5, 6, 17]
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_tokens) == (3, 6, 4)
+    assert meta.query_lens_cpu == [3, 1] and meta.seq_lens_cpu == [5, 6]
+
+
+def test_metadata_errors() -> None:
+    with pytest.raises(ValueError, match="blocks cannot hold"):
+        AttentionMetadata.build([3], [5], [[7, 2]], 2, "cpu")
+    with pytest.raises(ValueError, match="query_len"):
+        AttentionMetadata.build([0], [5], [[7, 2, 3]], 2, "cpu")
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        AttentionMetadata.build([1], [5, 3], [[7, 2, 3]], 2, "cpu")
+
+
+def test_get_attn_backend() -> None:
+    assert isinstance(get_attn_backend("torch", "cpu"), TorchAttentionBackend)
+    assert isinstance(get_attn_backend(None, "cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attn_backend("paged", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attn_backend("flash", "cpu")
+
+
+def _flash_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "flash backend needs a CUDA device"
+    if importlib.util.find_spec("vllm_flash_attn") is None:
+        return "vllm_flash_attn is not installed (pip install 'kvmesh[gpu]')"
+    return None
+
+
+@pytest.mark.skipif(_flash_skip_reason() is not None, reason=str(_flash_skip_reason()))
+@pytest.mark.parametrize(("hq", "hkv"), HEADS)
+def test_flash_backend_matches_reference(hq: int, hkv: int) -> None:
+    backend = FlashAttentionBackend()
+    err = run_case(
+        backend,
+        [5, 1, 40, 1, 20],
+        [37, 7, 40, 90, 50],
+        hq,
+        hkv,
+        block_size=16,
+        num_blocks=32,
+        device="cuda",
+        dtype=torch.bfloat16,
+    )
+    assert err < 5e-2, f"max abs diff {err}"
+
+
+CFG = ModelConfig(
+    vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=3,
+    num_heads=4, num_kv_heads=2, head_dim=8,
+)  # fmt: skip
+
+
+def test_parse_memory() -> None:
+    assert parse_memory("1GiB") == 1024**3
+    assert parse_memory("512MiB") == 512 * 1024**2
+    assert parse_memory("1.5 GB") == 1_500_000_000
+    assert parse_memory("4096") == 4096 and parse_memory(123) == 123
+    for bad in ("", "lots", "1 XB", "-1GiB", "1.2.3MiB"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_memory(bad)
+    with pytest.raises(ValueError):
+        parse_memory(-5)
+
+
+def test_kv_cache_layout_and_offsets() -> None:
+    cache = KVCache.allocate(CFG, num_blocks=5, block_size=4, dtype=torch.float16, device="cpu")
+    assert cache.data.shape == (3, 2, 5, 4, 2, 8)
+    assert cache.block_nbytes == 4 * 2 * 8 * 2
+    k1, v1 = cache.layer(1)
+    assert k1.shape == (5, 4, 2, 8) and k1.is_contiguous()
+    assert v1.data_ptr() - cache.data.data_ptr() == cache.block_offset(1, 1, 0)
+    base = cache.data.data_ptr()
+    for layer, kv, block in ((0, 0, 0), (1, 1, 3), (2, 0, 4)):
+        slab = cache.data[layer, kv, block]
+        assert slab.data_ptr() - base == cache.block_offset(layer, kv, block)
+    per_block = 3 * 2 * cache.block_nbytes
+    assert KVCache.num_blocks_for_memory(CFG, 4, torch.float16, per_block * 10 + 7) == 10
+    assert cache.nbytes == 5 * 3 * 2 * cache.block_nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_read_write_block_roundtrip(dtype: torch.dtype) -> None:
+    src = KVCache.allocate(CFG, num_blocks=4, block_size=4, dtype=dtype, device="cpu")
+    src.data.copy_(torch.randn(src.data.shape))
+    dst = KVCache.allocate(CFG, num_blocks=6, block_size=4, dtype=dtype, device="cpu")
+    blob = src.read_block(2)
+    assert len(blob) == CFG.num_layers * 2 * src.block_nbytes
+    dst.write_block(5, blob)
+    assert torch.equal(dst.data[:, :, 5], src.data[:, :, 2])
+    assert torch.count_nonzero(dst.data[:, :, :5]) == 0
+    with pytest.raises(ValueError, match="bytes"):
+        dst.write_block(0, blob[:-1])
+    with pytest.raises(IndexError):
+        src.read_block(4)

@@ -1,0 +1,203 @@
+"""The single-worker engine against HF transformers on tiny-random (greedy, exact tokens)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.workers.kv_connector import InMemoryKvCacheConnector
+from tests.conftest import HFReference
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def make_llm(**kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 64)
+    return LLM("tiny-random", block_size=4, progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm()
+
+
+def prompts(seed: int, n: int, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(shared)]
+    return [prefix + [rng.randrange(256) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def check_against_hf(llm: LLM, hf: HFReference, batch: list[list[int]], params=GREEDY) -> None:
+    outs = llm.generate(batch, params)
+    for ids, out in zip(batch, outs, strict=True):
+        want, _ = hf.greedy(ids, params.max_tokens)
+        assert out.token_ids == want, f"prompt of {len(ids)} tokens diverged"
+        assert out.finish_reason == "length"
+        assert out.prompt_token_ids == ids
+
+
+def test_mixed_lengths_match_hf(llm: LLM, tiny_hf: HFReference) -> None:
+    check_against_hf(llm, tiny_hf, prompts(0, 6))
+
+
+def test_shared_prefixes_match_hf_and_hit(llm: LLM, tiny_hf: HFReference) -> None:
+    batch = prompts(1, 5, shared=23)
+    check_against_hf(llm, tiny_hf, batch)
+    again = llm.generate(batch[:2], GREEDY)
+    assert all(o.metrics.num_cached_tokens >= 20 for o in again)
+    for o in again:
+        m = o.metrics
+        assert m.num_cached_tokens + m.num_pulled_tokens + m.num_computed_tokens == len(
+            o.prompt_token_ids
+        )
+
+
+def test_chunked_prefill_matches_hf(tiny_hf: HFReference) -> None:
+    llm = make_llm(max_num_batched_tokens=7)
+    check_against_hf(llm, tiny_hf, prompts(2, 4))
+
+
+def test_preemption_by_a_tiny_pool_matches_hf(tiny_hf: HFReference) -> None:
+    llm = make_llm(num_kv_blocks=18, max_num_batched_tokens=16)
+    batch = prompts(3, 5)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = llm.generate(batch, params)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the pool was meant to run out"
+    for ids, out in zip(batch, outs, strict=True):
+        assert out.token_ids == tiny_hf.greedy(ids, 24)[0]
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.pool.num_free_blocks == 18
+
+
+def test_final_logits_close_to_hf(llm: LLM, tiny_hf: HFReference) -> None:
+    captured: list[torch.Tensor] = []
+    run = llm.engine.runner.run
+
+    def spy(batch, tables):  # records what the engine sampled from
+        logits = run(batch, tables)
+        captured.append(logits)
+        return logits
+
+    llm.engine.runner.run = spy  # type: ignore[method-assign]
+    try:
+        ids = prompts(4, 1)[0]
+        out = llm.generate([ids], GREEDY)[0]
+    finally:
+        del llm.engine.runner.run
+    _, hf_last = tiny_hf.greedy(ids, GREEDY.max_tokens)
+    diff = (captured[-1][0] - hf_last).abs().max().item()
+    assert diff < 1e-4, f"max abs logit diff {diff}"
+    assert len(out.token_ids) == GREEDY.max_tokens
+
+
+def test_prefix_hit_through_connector_after_eviction(tiny_hf: HFReference) -> None:
+    llm = make_llm(
+        num_kv_blocks=16,
+        connector=lambda kv: InMemoryKvCacheConnector(kv.read_block, kv.write_block),
+    )
+    conn = llm.engine.kv.connector
+    assert isinstance(conn, InMemoryKvCacheConnector)
+    ids = prompts(5, 1, shared=30)[0]
+    first = llm.generate([ids], GREEDY)[0]
+    # Unrelated prompts push ids' blocks out of the local pool.
+    llm.generate(prompts(6, 3, shared=20), SamplingParams(max_tokens=2, temperature=0))
+    assert llm.engine.kv.pool.num_evictions > 0
+    second = llm.generate([ids], GREEDY)[0]
+    assert second.metrics.num_pulled_tokens > 0
+    assert second.token_ids == first.token_ids == tiny_hf.greedy(ids, GREEDY.max_tokens)[0]
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    alone = llm.generate(["abc"], p)[0].token_ids
+    mixed = llm.generate(["xyz", "abc"], [SamplingParams(max_tokens=5, temperature=1.0), p])
+    assert mixed[1].token_ids == alone
+    other = llm.generate(["abc"], SamplingParams(max_tokens=10, temperature=0.9, seed=8))[0]
+    assert other.token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0))[0]
+    topk = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=1.5, top_k=1))[0]
+    assert greedy.token_ids == topk.token_ids
+
+
+def test_stop_strings_cut_the_text(llm: LLM) -> None:
+    free = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0))[0]
+    text = free.text
+    assert len(text) >= 4
+    stop = text[2:4]
+    cut = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.find(stop)]
+    assert stop not in cut.text
+
+
+def test_stop_token_ids_and_eos(llm: LLM) -> None:
+    free = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0))[0]
+    tok = free.token_ids[3]
+    cut = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[tok]))
+    assert cut[0].finish_reason == "stop" and cut[0].stop_reason == tok
+    assert cut[0].token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+
+
+def test_stream_concatenates_to_the_final_text(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0)
+    deltas = list(llm.stream(["Hi", "there"], params))
+    finals = {d.request_id: d.output for d in deltas if d.output}
+    assert len(finals) == 2
+    for rid, out in finals.items():
+        mine = [d for d in deltas if d.request_id == rid]
+        assert "".join(d.text for d in mine) == out.text
+        assert [t for d in mine for t in d.token_ids] == out.token_ids
+        assert out.metrics.ttft_s is not None and out.metrics.ttft_s > 0
+
+
+def test_chat_uses_the_template(llm: LLM) -> None:
+    conv = [{"role": "user", "content": "hi"}]
+    ids = llm.chat_prompt(conv)
+    text = llm.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert llm.tokenizer.decode(ids) == text
+    out = llm.chat(conv, SamplingParams(max_tokens=4, temperature=0))[0]
+    assert out.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", {}, "prompt"),
+        ([], {}, "prompt"),
+        ("hi", {"max_tokens": 0}, "max_tokens"),
+        ("hi", {"temperature": -0.1}, "temperature"),
+        ("hi", {"top_p": 0.0}, "top_p"),
+        ("hi", {"top_p": 1.5}, "top_p"),
+        ("hi", {"top_k": 0}, "top_k"),
+        ("x" * 3000, {}, "prompt"),
+        ("hi", {"max_tokens": 5000}, "max_tokens"),
+        ([1, 2, 99999], {}, "prompt"),
+    ],
+)
+def test_bad_input_names_the_field(llm: LLM, prompt, params, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], SamplingParams(**params))
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+
+
+def test_unknown_model_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        LLM("no-such-model")
+
+
+def test_request_that_can_never_fit_the_pool(llm: LLM) -> None:
+    small = make_llm(num_kv_blocks=4)
+    with pytest.raises(ValueError, match="at most 16"):
+        small.generate(["x" * 20], SamplingParams(max_tokens=2))

@@ -1,0 +1,68 @@
+"""smollm2-135m in kvmesh's engine against transformers loading the same GGUF file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three prime numbers."},
+    ],
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+]
+NEW_TOKENS = 32
+
+
+@torch.inference_mode()
+def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding with HF's own KV cache, EOS ignored (``generate``'s min_new_tokens
+    would instead forbid EOS, which changes the tokens)."""
+    out = hf(torch.tensor([ids]), use_cache=True)
+    tokens, logits = [], []
+    for _ in range(n):
+        logits.append(out.logits[0, -1].float())
+        tokens.append(int(logits[-1].argmax()))
+        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logits
+
+
+def test_chat_greedy_tokens_equal_transformers(smollm2_llm, smollm2_hf) -> None:
+    hf, hf_tok = smollm2_hf
+    prompts = [smollm2_llm.chat_prompt(c) for c in CHATS]
+    for chat, ids in zip(CHATS, prompts, strict=True):
+        text = hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert ids == hf_tok(text, add_special_tokens=False)["input_ids"]
+
+    captured: list[torch.Tensor] = []
+    run = smollm2_llm.engine.runner.run
+
+    def spy(batch, tables):  # records the logits each request's tokens were sampled from
+        logits = run(batch, tables)
+        captured.append((tuple(s.request.request_id for s in batch if s.samples), logits))
+        return logits
+
+    smollm2_llm.engine.runner.run = spy
+    try:
+        outs = smollm2_llm.generate(
+            prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        )
+    finally:
+        del smollm2_llm.engine.runner.run
+
+    worst = 0.0
+    for ids, out in zip(prompts, outs, strict=True):
+        want, ref_logits = hf_greedy(hf, ids, NEW_TOKENS)
+        assert out.token_ids == want, f"{out.text!r} != {hf_tok.decode(want)!r}"
+        assert out.text.strip(), "an empty answer"
+        rows = [lg[rids.index(out.request_id)] for rids, lg in captured if out.request_id in rids]
+        for ours, theirs in zip(rows, ref_logits, strict=True):
+            worst = max(worst, (ours - theirs).abs().max().item())
+    print(f"max abs logit diff vs transformers over {len(prompts)}x{NEW_TOKENS} steps: {worst:.2e}")
+    assert worst < 1e-3, f"max abs logit diff {worst}"

@@ -1,0 +1,300 @@
+"""Paged attention over a flat batch of tokens from many sequences, prefills and decodes mixed.
+
+`AttentionMetadata` describes one model step (shared by every layer); an `AttentionBackend`
+writes the step's new K/V into the paged cache and attends. Two backends: `TorchAttentionBackend`
+(pure torch, any device, the CPU path) and `FlashAttentionBackend` (vllm-flash-attn on CUDA).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch: T new tokens from B sequences, laid out sequence after sequence.
+
+    Sequence b owns tokens query_start_loc[b] .. query_start_loc[b+1]-1 of the flat batch; they
+    sit at positions seq_lens[b] - query_len_b .. seq_lens[b] - 1 of that sequence, whose KV
+    for positions 0 .. seq_lens[b]-1 lives in blocks block_tables[b, :] (the ones before the
+    new tokens were cached by earlier steps or by a prefix-cache hit).
+    """
+
+    query_start_loc: torch.Tensor  # int32 [B+1], cumulative query lengths, starts at 0
+    seq_lens: torch.Tensor  # int32 [B], context length after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [B, max_blocks], padded with 0
+    slot_mapping: torch.Tensor  # int64 [T], block_id * block_size + offset of each new token
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Backend-owned scratch for index tensors derived once per step and reused by every layer.
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Everything from per-sequence lists. Raises ValueError if a sequence has no new token,
+        more new tokens than context, or too few blocks for its seq_len."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
+            raise ValueError("query_lens, seq_lens and block_tables need one entry per sequence")
+        slots: list[int] = []
+        for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if not 1 <= q <= s:
+                raise ValueError(f"need 1 <= query_len <= seq_len, got {q} and {s}")
+            if len(table) * block_size < s:
+                raise ValueError(f"{len(table)} blocks cannot hold seq_len {s}")
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size for p in range(s - q, s)
+            )
+        width = max(len(t) for t in block_tables)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0, *itertools.accumulate(query_lens)]
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
+
+
+class AttentionBackend(ABC):
+    """Paged causal attention for one layer.
+
+    `forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], k_cache, v_cache [N,bs,Hkv,D], meta, scale)
+    -> [T,Hq,D]` first writes k[t], v[t] into the caches at flat slot meta.slot_mapping[t]
+    (slot = block_id * bs + offset), then computes, for every new token t of sequence b at
+    position p = seq_lens[b] - query_len_b + i, softmax(scale * q[t] . K_b[0..p]) @ V_b[0..p],
+    where K_b/V_b are read from sequence b's blocks (so a cached prefix is attended to).
+    Query head h uses KV head h // (Hq // Hkv) (GQA). Output dtype is q's dtype.
+    """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def _write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    # [N, bs, Hkv, D] -> [N*bs, Hkv, D]: a flat slot indexes one token's K (or V) of all heads.
+    n, bs, hkv, d = k_cache.shape
+    k_cache.view(n * bs, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(n * bs, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _context_blocks(block_tables: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """int64 [B * nb]: each row's first nb = ceil(seq_len / block_size) block ids, flattened, for
+    index_select over whole blocks (contiguous chunks: far faster than a per-token gather)."""
+    nb = -(-seq_len // block_size)
+    return block_tables[:, :nb].reshape(-1).to(torch.int64)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Pure torch, any device. Decode rows (query_len == 1) go through one batched SDPA call over
+    K/V gathered block-wise to [Bd, S', Hkv, D] (S' = max blocks * block_size) with a length
+    mask; each prefill row gets one SDPA call (is_causal when it has no cached prefix, else a
+    bottom-right causal mask over its gathered context). GQA: decode folds a KV head's query
+    heads into SDPA's query-length axis (no K/V copy); prefill expands K/V to Hq heads. Index
+    tensors are derived once per step (meta.scratch) and shared by all layers."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.scratch.get("torch_plan")
+        if plan is None:
+            plan = meta.scratch["torch_plan"] = _TorchPlan(meta, k_cache.shape[1])
+        hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+        group = hq // hkv
+        out = q.new_empty(q.shape)
+
+        if plan.decode_tokens is not None:
+            nd = plan.decode_tokens.shape[0]
+            # Query heads of KV head j are rows j*group .. j*group+group-1 (HF's repeat_kv order).
+            qd = q if plan.all_decode else q.index_select(0, plan.decode_tokens)
+            qd = qd.view(nd, hkv, group, d)  # [Bd, Hkv, G, D]
+            # [Bd * nb, bs, Hkv, D] -> [Bd, Hkv, S', D]
+            kd = k_cache.index_select(0, plan.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
+            vd = v_cache.index_select(0, plan.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
+            od = F.scaled_dot_product_attention(  # mask [Bd, 1, 1, S'] -> out [Bd, Hkv, G, D]
+                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
+            )
+            if plan.all_decode:
+                return od.reshape(nd, hq, d)
+            out.index_copy_(0, plan.decode_tokens, od.reshape(nd, hq, d))
+
+        for start, end, seq_len, blocks, mask in plan.prefills:
+            qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+            if blocks is None:  # no cached prefix: the context is exactly this step's k, v
+                kp, vp = k[start:end], v[start:end]  # [Lq, Hkv, D]
+            else:
+                kp = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]  # [S, Hkv, D]
+                vp = v_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]
+            # [S, Hkv, D] -> [1, Hq, S, D]
+            kp = kp.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+            vp = vp.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale
+            )  # [1, Hq, Lq, D]
+            out[start:end] = op[0].transpose(0, 1)
+        return out
+
+
+class _TorchPlan:
+    """Index tensors for TorchAttentionBackend, derived from one step's metadata."""
+
+    def __init__(self, meta: AttentionMetadata, block_size: int) -> None:
+        device = meta.block_tables.device
+        starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
+        decode = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+        self.all_decode = len(decode) == len(meta.query_lens_cpu)
+        self.decode_tokens: torch.Tensor | None = None
+        self.decode_blocks = torch.empty(0, dtype=torch.int64)
+        self.decode_mask = torch.empty(0, dtype=torch.bool)
+        if decode:
+            rows = torch.tensor(decode, dtype=torch.int64, device=device)
+            max_len = max(meta.seq_lens_cpu[b] for b in decode)
+            self.decode_tokens = torch.tensor([starts[b] for b in decode], device=device)
+            self.decode_blocks = _context_blocks(meta.block_tables[rows], max_len, block_size)
+            width = self.decode_blocks.shape[0] // len(decode) * block_size  # S'
+            lens = meta.seq_lens[rows].to(torch.int64)
+            valid = torch.arange(width, device=device)[None, :] < lens[:, None]  # [Bd, S']
+            self.decode_mask = valid[:, None, None, :]
+        # (first token, end token, seq_len, context block ids, [Lq, S] mask); the last two are
+        # None for a prefill without cached prefix.
+        self.prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        for b, (ql, sl) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            if ql == 1:
+                continue
+            if ql == sl:
+                self.prefills.append((starts[b], starts[b + 1], sl, None, None))
+                continue
+            blocks = _context_blocks(meta.block_tables[b : b + 1], sl, block_size)
+            # Query i sits at position sl - ql + i and sees keys 0 .. sl - ql + i.
+            qpos = torch.arange(sl - ql, sl, device=device)
+            mask = torch.arange(sl, device=device)[None, :] <= qpos[:, None]  # [Lq, S]
+            self.prefills.append((starts[b], starts[b + 1], sl, blocks, mask))
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """CUDA only: vllm-flash-attn's (or flash-attn's) varlen kernel reading K/V straight from the
+    paged cache through block_table. The package is imported when the backend is built, never at
+    module import. flash-attn upstream wants block_size % 256 == 0; vllm-flash-attn takes
+    multiples of 16. Dtypes: fp16/bf16 only."""
+
+    def __init__(self) -> None:
+        try:
+            from vllm_flash_attn import flash_attn_varlen_func
+        except ImportError:
+            try:
+                from flash_attn import flash_attn_varlen_func
+            except ImportError as e:
+                raise ImportError(
+                    "the flash attention backend needs vllm-flash-attn (pip install "
+                    "'kvmesh[gpu]') or flash-attn"
+                ) from e
+        self._fn: Callable[..., torch.Tensor] = flash_attn_varlen_func
+        params = inspect.signature(flash_attn_varlen_func).parameters
+        # Newer vllm-flash-attn takes seqused_k with block_table (and forbids cu_seqlens_k then);
+        # older kernels have no seqused_k, or one that cannot replace the required cu_seqlens_k.
+        cu_k = params.get("cu_seqlens_k")
+        self._uses_seqused_k = "seqused_k" in params and cu_k is not None and cu_k.default is None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"flash attention needs float16 or bfloat16, got {q.dtype}")
+        _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self._uses_seqused_k:
+            kv_len = {"seqused_k": meta.seq_lens}
+        else:
+            # Older kernels (vllm-flash-attn 2.6, flash-attn) take cumulative key lengths.
+            if "cu_seqlens_k" not in meta.scratch:
+                cu = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
+                meta.scratch["cu_seqlens_k"] = cu
+            kv_len = {"cu_seqlens_k": meta.scratch["cu_seqlens_k"]}
+        return self._fn(
+            q=q,
+            k=k_cache,
+            v=v_cache,
+            cu_seqlens_q=meta.query_start_loc,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,  # bottom-right aligned: the new tokens are the last of each context
+            block_table=meta.block_tables,
+            **kv_len,
+        )
+
+
+def get_attn_backend(
+    name: str | None, device: torch.device | str, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The backend called `name`: "torch", "flash", or None for flash on CUDA when importable
+    and `dtype` is fp16/bf16 (flash kernels take nothing else), else torch. Raises ValueError
+    for an unknown name or "flash" off CUDA, ImportError for "flash" without a flash package."""
+    dev = torch.device(device)
+    if name is None:
+        if dev.type == "cuda" and dtype in (None, torch.float16, torch.bfloat16):
+            try:
+                return FlashAttentionBackend()
+            except ImportError:
+                pass
+        return TorchAttentionBackend()
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "flash":
+        if dev.type != "cuda":
+            raise ValueError(f"attention backend 'flash' needs a CUDA device, not {dev}")
+        return FlashAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose 'torch', 'flash' or None)")

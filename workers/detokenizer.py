@@ -1,0 +1,52 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded from all output tokens each time (short outputs; this keeps multi-byte
+characters and tokenizer merges right), and a delta is released only when it is final: an
+incomplete UTF-8 character, or a tail that could still grow into a stop string, is held back.
+So the concatenated stream always equals the final text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.text = ""  # the text so far, cut at a stop string once one is found
+        self.emitted = 0  # characters of ``text`` already handed out
+        self.stopped_by: str | None = None
+
+    def update(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Decode ``token_ids`` (all output tokens so far); return the new, settled text."""
+        if self.stopped_by is None:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            # Emitted text holds no stop string, so search only where one could newly appear.
+            found = [(text.find(s, max(0, self.emitted - len(s))), s) for s in self.stop]
+            found = [(at, s) for at, s in found if at != -1]
+            if found:
+                at, self.stopped_by = min(found)
+                self.text = text[:at]
+            else:
+                self.text = text
+        end = len(self.text)
+        if not final and self.stopped_by is None:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            end -= self._stop_prefix_len(self.text[:end])
+        delta = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,231 @@
+"""The single-worker engine: one model, one paged KV cache, continuous batching.
+
+``step()`` reads like nano-vllm's: schedule, run, postprocess.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.workers.attention import get_attn_backend
+from kvmesh.workers.block_hash import ModelFingerprint
+from kvmesh.workers.detokenizer import Detokenizer
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.kv_cache import KVCache, parse_memory
+from kvmesh.workers.kv_cache_manager import KVCacheManager
+from kvmesh.workers.kv_connector import KvCacheConnector
+from kvmesh.workers.loader import load_weights
+from kvmesh.workers.model import LlamaForCausalLM
+from kvmesh.workers.model_runner import ModelRunner
+from kvmesh.workers.outputs import RequestOutput, StreamDelta
+from kvmesh.workers.request import Request
+from kvmesh.workers.sampler import sample
+from kvmesh.workers.sampling_params import SamplingParams
+from kvmesh.workers.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+KV_LAYOUT = "L2NBHD"  # KVCache.data: [layers, K/V, blocks, block_size, kv_heads, head_dim]
+ConnectorFactory = Callable[[KVCache], KvCacheConnector]
+DeltaCallback = Callable[[StreamDelta], None]
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request beyond its tokens."""
+
+    request: Request
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: Detokenizer
+    prompt: str | None
+    on_delta: DeltaCallback | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KvCacheConnector | ConnectorFactory | None = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device)
+        self.dtype = config.resolved_dtype
+        weights = load_weights(config.model, progress=config.progress)
+        self.model_config = mc = weights.config
+        self.tokenizer = weights.tokenizer
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        backend = get_attn_backend(config.attention_backend, self.device, self.dtype)
+        model = LlamaForCausalLM(mc, backend)
+        model.load_state_dict(weights.state_dict)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        weights_id = weights.weights_id
+        del weights  # the model holds its own copy of the tensors
+
+        num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_memory(
+            mc, config.block_size, self.dtype, parse_memory(config.kv_cache_memory)
+        )
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {config.kv_cache_memory!r} holds no block of "
+                f"{config.block_size} tokens for this model"
+            )
+        self.kv_cache = KVCache.allocate(mc, num_blocks, config.block_size, self.dtype, self.device)
+        self.fingerprint = ModelFingerprint(
+            weights_id=weights_id,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=config.block_size,
+            kv_layout=KV_LAYOUT,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+        )
+        if connector is not None and not isinstance(connector, KvCacheConnector):
+            connector = connector(self.kv_cache)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, connector, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        on_delta: DeltaCallback | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Bad input raises ValueError."""
+        return self.enqueue(self.make_request(prompt, params, request_id, on_delta))
+
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        on_delta: DeltaCallback | None = None,
+    ) -> _Tracked:
+        """Validate a request without queuing it (so a batch is all or nothing)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            token_ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            token_ids, text = list(prompt), None
+            if not all(
+                isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in token_ids
+            ):
+                raise ValueError(
+                    f"prompt: token ids must be integers in [0, {self.model_config.vocab_size})"
+                )
+        if not token_ids:
+            raise ValueError("prompt: must hold at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens is longer than the context "
+                f"({self.max_model_len} tokens, one kept for the answer)"
+            )
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: the prompt's {len(token_ids)} tokens plus max_tokens "
+                f"{params.max_tokens} exceed the context of {self.max_model_len} tokens"
+            )
+        self.kv.check_fits(len(token_ids) + params.max_tokens)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._tracked:
+            raise ValueError(f"request_id: {rid!r} is already running")
+        req = Request(rid, token_ids, self.config.block_size, self.fingerprint.namespace, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        return _Tracked(req, params, gen, Detokenizer(self.tokenizer, params.stop), text, on_delta)
+
+    def enqueue(self, tracked: _Tracked) -> str:
+        rid = tracked.request.request_id
+        if rid in self._tracked:
+            raise ValueError(f"request_id: {rid!r} is already running")
+        self._tracked[rid] = tracked
+        self.scheduler.add(tracked.request)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            self.scheduler.finish(tracked.request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[StreamDelta]:
+        """Schedule, run, postprocess. Returns one delta per request that produced a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.run(batch, [self.kv.get_block_ids(s.request) for s in batch])
+        sampling = [self._tracked[s.request.request_id] for s in batch if s.samples]
+        tokens = sample(logits, [t.params for t in sampling], [t.generator for t in sampling])
+        now = time.perf_counter()
+        for s in batch:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(s.request, s.request.num_computed_tokens)
+        return [self._postprocess(t, tok, now) for t, tok in zip(sampling, tokens, strict=True)]
+
+    def _postprocess(self, t: _Tracked, token: int, now: float) -> StreamDelta:
+        req, params = t.request, t.params
+        req.append_output_token(token)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            t.finish_reason, t.stop_reason = "stop", token
+        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            t.finish_reason = "length"
+        text = t.detokenizer.update(req.output_token_ids, final=t.finish_reason is not None)
+        if t.detokenizer.stopped_by is not None and t.finish_reason != "stop":
+            t.finish_reason, t.stop_reason = "stop", t.detokenizer.stopped_by
+            text += t.detokenizer.update(req.output_token_ids, final=True)
+        delta = StreamDelta(req.request_id, [token], text, t.finish_reason)
+        if t.finish_reason is not None:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req)
+            del self._tracked[req.request_id]
+            delta.output = self._output(t)
+        if t.on_delta is not None:
+            t.on_delta(delta)
+        return delta
+
+    def _output(self, t: _Tracked) -> RequestOutput:
+        req = t.request
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids),
+            text=t.detokenizer.text,
+            finish_reason=t.finish_reason,
+            metrics=req.metrics,
+            stop_reason=t.stop_reason,
+            prompt=t.prompt,
+        )

@@ -1,0 +1,50 @@
+"""The engine's configuration, built once and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    block_size: int = 16
+    kv_cache_memory: str | int = "1GiB"  # ignored when num_kv_blocks is given
+    num_kv_blocks: int | None = None
+    device: str | None = None  # None: CUDA when available, else CPU
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    attention_backend: str | None = None  # "torch", "flash", or None for automatic
+    max_num_seqs: int = 64
+    # Prefill chunk size too. Small chunks let a request hit the prefix that another request
+    # computed one step earlier, instead of computing it again in the same step.
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds requests that bring no seed of their own
+    progress: bool = True  # a progress bar while weights load
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size: must be an integer >= 1, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        return torch.bfloat16 if self.resolved_device.startswith("cuda") else torch.float32

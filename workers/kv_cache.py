@@ -1,0 +1,167 @@
+"""The paged KV cache: one contiguous tensor, allocated once per worker.
+
+Layout of `KVCache.data` (C-contiguous):
+
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]      2 = (K, V)
+
+so the (layer, kv, block) slab, i.e. `data[layer, kv, block_id]`, is `block_nbytes` contiguous
+bytes (block_size * num_kv_heads * head_dim * itemsize) starting at
+
+    block_offset(layer, kv, block_id) = ((layer * 2 + kv) * num_blocks + block_id) * block_nbytes
+
+from `data.data_ptr()`. A transport (NIXL) registers `data` once and describes each block with
+num_layers * 2 such descriptors. Within a slab, a token's K (or V) for all KV heads is
+contiguous, which is what paged attention kernels (flash-attn's block_table) expect for
+`layer(i)`'s views of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+A block's "bytes" (`read_block` / `write_block`) are its slabs concatenated in (layer, kv)
+order: num_layers * 2 * block_nbytes bytes, the raw little-endian element bytes of the dtype.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from kvmesh.workers.model_config import ModelConfig
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: str | int) -> int:
+    """Bytes from an int or a string such as "1GiB", "512MiB", "1.5 GB", "4096".
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones (KB, MB, GB, TB, or
+    K, M, G, T) powers of 1000; case-insensitive. Raises ValueError for anything else or < 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"memory size must be an int or a string like '1GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"memory size must be >= 0, got {value}")
+        return value
+    m = _MEMORY_RE.match(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot parse memory size {value!r}: expected a number and a unit such as "
+            "'512MiB', '1GiB' or '2GB'"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class KVCache:
+    """The K and V of every layer for `num_blocks` blocks of `block_size` tokens.
+
+    Blocks are addressed by id; which ids a sequence owns is the KV cache manager's business.
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        if data.dim() != 6 or data.shape[1] != 2 or not data.is_contiguous():
+            raise ValueError(
+                "data must be a contiguous [num_layers, 2, num_blocks, block_size, "
+                f"num_kv_heads, head_dim] tensor, got shape {tuple(data.shape)}"
+            )
+        self.data = data
+        self.num_layers, _, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = (
+            data.shape
+        )
+
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """A zero-filled cache; zeros so that never-written slots hold finite values."""
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
+
+    @staticmethod
+    def num_blocks_for_memory(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, nbytes: int
+    ) -> int:
+        """How many whole blocks (all layers, K and V) fit in `nbytes` bytes."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_block = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
+        return nbytes // (per_block * itemsize)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one (layer, K/V, block) slab: block_size * Hkv * head_dim * itemsize."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.data.element_size()
+
+    @property
+    def block_bytes_all_layers(self) -> int:
+        """Bytes of one block over all layers, K and V: the length of `read_block`'s result."""
+        return self.num_layers * 2 * self.block_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole cache."""
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (k_cache, v_cache) of layer i, each [num_blocks, block_size, num_kv_heads,
+        head_dim] and contiguous; writes through them land in `data`."""
+        return self.data[i, 0], self.data[i, 1]
+
+    def block_offset(self, layer: int, kv: int, block_id: int) -> int:
+        """Byte offset of the (layer, kv, block_id) slab from the start of `data`."""
+        if not (0 <= layer < self.num_layers and kv in (0, 1) and 0 <= block_id < self.num_blocks):
+            raise IndexError(f"no slab (layer={layer}, kv={kv}, block_id={block_id})")
+        return ((layer * 2 + kv) * self.num_blocks + block_id) * self.block_nbytes
+
+    def read_block(self, block_id: int) -> bytes:
+        """A copy of block `block_id`'s K and V for all layers, as bytes in (layer, kv) order."""
+        self._check_block(block_id)
+        slabs = self.data[:, :, block_id].contiguous().cpu()  # [L, 2, bs, Hkv, D]
+        return slabs.view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Overwrite block `block_id` with bytes produced by `read_block` of a compatible cache
+        (same layers, block size, KV heads, head dim and dtype). Raises ValueError on a size
+        mismatch, before touching the cache."""
+        self._check_block(block_id)
+        if len(data) != self.block_bytes_all_layers:
+            raise ValueError(
+                f"block data is {len(data)} bytes, expected {self.block_bytes_all_layers}"
+            )
+        # bytearray: torch.frombuffer wants a writable buffer.
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        src = raw.view(self.dtype).view(
+            self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim
+        )
+        self.data[:, :, block_id].copy_(src)
+
+    def _check_block(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block_id {block_id} out of range [0, {self.num_blocks})")

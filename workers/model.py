@@ -1,0 +1,208 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat, paged batch.
+
+gpt-fast style: the whole model in one file. Shapes use T = tokens in the step (all sequences
+back to back), H = hidden size, Hq / Hkv = query / KV heads, D = head dim, V = vocab.
+Parameter names equal HF transformers' state-dict names, so an HF checkpoint's tensors load
+with `load_state_dict` as they are. The math follows transformers' modeling_llama (RMSNorm in
+float32, rotate_half RoPE with float32 tables, SwiGLU), so logits match it closely.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.workers.attention import AttentionBackend, AttentionMetadata
+from kvmesh.workers.kv_cache import KVCache
+from kvmesh.workers.model_config import ModelConfig
+
+# Rows of the RoPE table built at first use (capped by max_position_embeddings); it grows
+# (at least doubling) when a step needs more.
+_INITIAL_ROPE_ROWS = 4096
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        # Normalise in float32, cast back, then scale: HF's order, which matters in bf16.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Float32 [D/2] inverse frequencies, with Llama-3 or linear scaling applied as in HF."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling_dict
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, D] in x's dtype (HF casts the float32 table the same way).
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        self.scale = config.head_dim**-0.5
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
+        self.o_proj = nn.Linear(config.q_size, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,  # [T, D]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache.layer(self.layer_idx)  # [N, bs, Hkv, D] each
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, [T, I] inside
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` runs one step over a flat batch and returns final-norm hidden states; the
+    caller picks the rows it wants logits for and calls `compute_logits` on them.
+
+    With tie_word_embeddings there is no `lm_head` module (logits use embed_tokens.weight), and
+    `load_state_dict` drops an incoming "lm_head.weight" (HF state dicts of tied models carry
+    it as an alias), so strict loading works whether or not the checkpoint has it.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Float32 [P, D] RoPE tables. Plain attributes, not buffers: model.to(dtype) must not
+        # cast them, and meta-device init / to_empty() must not leave them uninitialised.
+        self._rope_cos = torch.empty(0, config.head_dim)
+        self._rope_sin = torch.empty(0, config.head_dim)
+
+    def _rope(self, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin float32 [T, D] at `positions`; builds the table (on positions' device, up to
+        max_position_embeddings rows, more if a step asks) the first time it is too small."""
+        old = self._rope_cos.shape[0]
+        if old < max_seq_len or self._rope_cos.device != positions.device:
+            initial = min(_INITIAL_ROPE_ROWS, self.config.max_position_embeddings)
+            rows = max(max_seq_len, initial, 2 * old if old < max_seq_len else old)
+            inv_freq = rope_inv_freq(self.config).to(positions.device)  # [D/2]
+            pos = torch.arange(rows, device=positions.device, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]: rotate_half pairs i with i + D/2
+            self._rope_cos, self._rope_sin = emb.cos(), emb.sin()
+        return self._rope_cos.index_select(0, positions), self._rope_sin.index_select(0, positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T], each token's position in its sequence
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self._rope(positions, meta.max_seq_len)  # float32 [T, D]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # HF casts the table to x's dtype too
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        if self.lm_head is None and "lm_head.weight" in state_dict:
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
