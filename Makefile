@@ -40,5 +40,11 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+bench: $(TEST_STAMP)
+	$(PY) bench/index.py
+	$(PY) bench/transport.py
+	$(PY) bench/pull_vs_recompute.py --prefix-tokens 2048
+	$(PY) bench/engine_vs_hf.py
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -124,8 +124,8 @@ def test_failed_load_rolls_back_and_tokens_are_computed() -> None:
     # The garbage the failed load wrote was overwritten by computing; nothing was registered
     # from the load itself.
     h.check_kv()
-    # The freed block went back to the head of the queue and was the first one reused, so
-    # the rollback cost no extra eviction: same blocks, same evictions as a successful load.
+    # The failed block stays with the request and is computed into: same blocks, same
+    # evictions as a successful load, and nothing extra was registered.
     ok, _ = with_connector()
     evict_r0_prefix(ok)
     ok_evictions_before = ok.manager.pool.num_evictions

@@ -96,7 +96,9 @@ def test_final_logits_close_to_hf(llm: LLM, tiny_hf: HFReference) -> None:
 def test_prefix_hit_through_connector_after_eviction(tiny_hf: HFReference) -> None:
     llm = make_llm(
         num_kv_blocks=16,
-        connector=lambda kv: InMemoryKvCacheConnector(kv.read_block, kv.write_block),
+        connector=lambda ctx: InMemoryKvCacheConnector(
+            ctx.kv_cache.read_block, ctx.kv_cache.write_block
+        ),
     )
     conn = llm.engine.kv.connector
     assert isinstance(conn, InMemoryKvCacheConnector)

@@ -33,7 +33,18 @@ from kvmesh.workers.scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 KV_LAYOUT = "L2NBHD"  # KVCache.data: [layers, K/V, blocks, block_size, kv_heads, head_dim]
-ConnectorFactory = Callable[[KVCache], KvCacheConnector]
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What a connector factory gets: the worker it serves and that worker's KV cache."""
+
+    worker_id: str
+    kv_cache: KVCache
+    fingerprint: ModelFingerprint
+
+
+ConnectorFactory = Callable[[ConnectorContext], KvCacheConnector]
 DeltaCallback = Callable[[StreamDelta], None]
 
 
@@ -49,6 +60,7 @@ class _Tracked:
     on_delta: DeltaCallback | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 class LLMEngine:
@@ -56,8 +68,10 @@ class LLMEngine:
         self,
         config: EngineConfig,
         connector: KvCacheConnector | ConnectorFactory | None = None,
+        worker_id: str = "local",
     ) -> None:
         self.config = config
+        self.worker_id = worker_id
         self.device = torch.device(config.resolved_device)
         self.dtype = config.resolved_dtype
         weights = load_weights(config.model, progress=config.progress)
@@ -92,7 +106,7 @@ class LLMEngine:
             head_dim=mc.head_dim,
         )
         if connector is not None and not isinstance(connector, KvCacheConnector):
-            connector = connector(self.kv_cache)
+            connector = connector(ConnectorContext(worker_id, self.kv_cache, self.fingerprint))
         self.kv = KVCacheManager(
             num_blocks, config.block_size, connector, config.enable_prefix_caching
         )
@@ -168,10 +182,18 @@ class LLMEngine:
         self.scheduler.add(tracked.request)
         return rid
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str | None = None) -> None:
+        """Drop a request and free its blocks; with ``reason``, its stream gets a last delta
+        whose ``finish_reason`` is that reason (e.g. "error")."""
         tracked = self._tracked.pop(request_id, None)
-        if tracked is not None:
-            self.scheduler.finish(tracked.request)
+        if tracked is None:
+            return
+        self.scheduler.finish(tracked.request)
+        if reason is not None and tracked.on_delta is not None:
+            tracked.on_delta(StreamDelta(request_id, finish_reason=reason))
+
+    def request_ids(self) -> list[str]:
+        return list(self._tracked)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -186,11 +208,28 @@ class LLMEngine:
         logits = self.runner.run(batch, [self.kv.get_block_ids(s.request) for s in batch])
         sampling = [self._tracked[s.request.request_id] for s in batch if s.samples]
         tokens = sample(logits, [t.params for t in sampling], [t.generator for t in sampling])
+        self._record_logprobs(logits, sampling, tokens)
         now = time.perf_counter()
         for s in batch:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(s.request, s.request.num_computed_tokens)
         return [self._postprocess(t, tok, now) for t, tok in zip(sampling, tokens, strict=True)]
+
+    @staticmethod
+    def _record_logprobs(logits: torch.Tensor, sampling: list[_Tracked], tokens: list[int]) -> None:
+        rows = [i for i, t in enumerate(sampling) if t.params.logprobs is not None]
+        if not rows:
+            return
+        logp = logits[rows].log_softmax(dim=-1)
+        for j, i in enumerate(rows):
+            t = sampling[i]
+            top = logp[j].topk(t.params.logprobs) if t.params.logprobs else None
+            entry = {tokens[i]: float(logp[j, tokens[i]])}
+            if top is not None:
+                entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            if t.logprobs is None:
+                t.logprobs = []
+            t.logprobs.append(entry)
 
     def _postprocess(self, t: _Tracked, token: int, now: float) -> StreamDelta:
         req, params = t.request, t.params
@@ -228,4 +267,5 @@ class LLMEngine:
             metrics=req.metrics,
             stop_reason=t.stop_reason,
             prompt=t.prompt,
+            logprobs=t.logprobs,
         )

@@ -21,7 +21,9 @@ order: num_layers * 2 * block_nbytes bytes, the raw little-endian element bytes 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvmesh.workers.model_config import ModelConfig
@@ -145,6 +147,17 @@ class KVCache:
         self._check_block(block_id)
         slabs = self.data[:, :, block_id].contiguous().cpu()  # [L, 2, bs, Hkv, D]
         return slabs.view(torch.uint8).numpy().tobytes()
+
+    def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Several blocks as one flat uint8 array, each laid out as `read_block` does, in the
+        order given. Raises IndexError for an id out of range."""
+        ids = list(block_ids)
+        for b in ids:
+            self._check_block(b)
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        # [L, 2, n, ...] -> [n, L, 2, ...]: block-major, as read_block concatenates slabs.
+        blocks = self.data.index_select(2, index).movedim(2, 0).contiguous()
+        return blocks.cpu().view(torch.uint8).reshape(-1).numpy()
 
     def write_block(self, block_id: int, data: bytes) -> None:
         """Overwrite block `block_id` with bytes produced by `read_block` of a compatible cache

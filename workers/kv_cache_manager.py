@@ -119,8 +119,8 @@ class KVCacheManager:
         ``num_new_tokens`` counts tokens after what the request already holds (after the
         ``computed`` prefix on its first allocation). All or nothing: on None nothing changed.
         With ``computed``, the local hits are referenced and the connector's blocks are
-        allocated and loaded; a failed load frees those blocks again and their tokens must be
-        computed, which the blocks returned in ``new_blocks`` already cover.
+        allocated and loaded; after a failed load those blocks are returned in ``new_blocks``
+        with the rest, and their tokens must be computed.
         """
         computed = computed or ComputedBlocks()
         held = self.req_to_blocks.get(request.request_id, [])
@@ -139,28 +139,31 @@ class KVCacheManager:
         self.req_to_blocks[request.request_id] = held
         self.pool.touch(computed.local_blocks)
         held.extend(computed.local_blocks)
-        num_loaded = self._load_external(request, held, n_local, n_ext) if n_ext else 0
-        new_blocks = self.pool.get_new_blocks(num_new_blocks - num_loaded)
+        # Every block is taken before the load: a connector that waits inside ``load`` may let
+        # peers pin our cached blocks meanwhile, and that must not starve this allocation.
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
         held.extend(new_blocks)
+        num_loaded = self._load_external(request, new_blocks[:n_ext], n_local) if n_ext else 0
         if n_local or num_loaded:
             self.num_cached_blocks[request.request_id] = n_local + num_loaded
             self.connector.on_hit(request.request_id, n_local, num_loaded)
-        return Allocation(tuple(new_blocks), n_local * bs, num_loaded * bs)
+        return Allocation(tuple(new_blocks[num_loaded:]), n_local * bs, num_loaded * bs)
 
-    def _load_external(self, request: Request, held: list[KVBlock], start: int, n: int) -> int:
-        """Allocate ``n`` fresh blocks, have the connector fill them; blocks loaded (0 or n)."""
+    def _load_external(self, request: Request, blocks: list[KVBlock], start: int) -> int:
+        """Have the connector fill ``blocks`` (fresh, this request's); blocks loaded (0 or all).
+
+        On failure the blocks stay with the request, unregistered: their tokens are computed
+        into them, overwriting whatever the failed load wrote.
+        """
+        n = len(blocks)
         hashes = request.block_hashes[start : start + n]
-        blocks = self.pool.get_new_blocks(n)
         try:
             ok = self.connector.load(hashes, [b.block_id for b in blocks])
         except Exception:
             logger.exception("connector load of %d blocks failed; computing them", n)
             ok = False
         if not ok:
-            # Nothing of theirs is cached: put them at the head so they are reused first.
-            self.pool.free_blocks(blocks[::-1], front=True)
             return 0
-        held.extend(blocks)
         self._register(hashes, blocks)
         return n
 

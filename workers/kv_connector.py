@@ -6,8 +6,8 @@ The KV cache manager calls a connector at these points, and nowhere else:
    blocks (a prefix of ``hashes[k:]``) the connector can supply. Side-effect free.
 2. The manager allocates that many fresh local blocks and calls ``load(hashes, block_ids)``
    to fill them. Only when it succeeds are the blocks registered and counted as a hit; on
-   failure they are freed and those tokens are computed. The manager picks the block ids, so
-   a connector can never hand back ids of blocks it did not fill.
+   failure they are not registered and those tokens are computed into them. The manager picks
+   the block ids, so a connector can never hand back ids of blocks it did not fill.
 3. ``on_hit``, ``on_store``, ``on_evict``, ``on_clear``: observations, after the fact.
 
 The cluster connector (``kvmesh.connector``) implements this seam over the cluster index and
@@ -44,9 +44,15 @@ class KvCacheConnector(ABC):
         """Fill local blocks ``block_ids[i]`` with the KV of ``hashes[i]``, all or nothing.
 
         Returns True only when every block was filled with the right bytes. On False (or an
-        exception) the manager frees the blocks and the tokens are computed; whatever was
-        partly written is overwritten then, so it is never read.
+        exception) the blocks are not registered and the tokens are computed into them; what
+        was partly written is overwritten then, so it is never read.
+
+        A connector that blocks here (waiting on a peer) must call the ``service`` function
+        given to ``attach`` while it waits, so peers pulling from this worker make progress.
         """
+
+    def attach(self, service: Callable[[], None]) -> None:
+        """Called once by the worker that owns this connector; see ``load``."""
 
     def on_hit(self, request_id: str, num_local_blocks: int, num_loaded_blocks: int) -> None:
         """A request's prefix was served: blocks found locally and blocks loaded by ``load``.
@@ -62,6 +68,9 @@ class KvCacheConnector(ABC):
 
     def on_clear(self) -> None:
         """The local prefix cache was reset."""
+
+    def close(self) -> None:
+        """The worker is shutting down: flush, deregister, release resources."""
 
 
 class NoopKvCacheConnector(KvCacheConnector):

@@ -40,6 +40,9 @@ class RequestOutput:
     metrics: RequestMetrics
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     prompt: str | None = None
+    # With SamplingParams.logprobs: per generated token, {token id: logprob} for the sampled
+    # token and the top N.
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # log-probabilities of each sampled token and the top N
+
+    MAX_LOGPROBS = 20
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) the way vLLM users write them.
@@ -55,6 +58,10 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise bad("seed", "must be an integer")
+        if self.logprobs is not None and not (
+            _is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

@@ -1,0 +1,94 @@
+"""The worker as a Ray actor: a thin wrapper over ``Worker`` (see its thread model).
+
+The actor is threaded (``max_concurrency``): streams, pins from peers and block exports are
+served concurrently; only ``Worker``'s step thread touches the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from kvmesh.workers.block_hash import BlockHash
+from kvmesh.workers.engine import ConnectorFactory
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.outputs import RequestOutput, StreamDelta
+from kvmesh.workers.sampling_params import SamplingParams
+from kvmesh.workers.worker import Worker
+
+MAX_CONCURRENCY = 64
+
+
+class WorkerActor:
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        connector: ConnectorFactory | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        # CPU workers share the host's cores: each takes its share, or all of them slow down.
+        if num_threads is not None:
+            torch.set_num_threads(max(1, num_threads))
+        self.worker = Worker(worker_id, config, connector)
+
+    def ready(self) -> dict[str, Any]:
+        eng = self.worker.engine
+        return {
+            "worker_id": self.worker.worker_id,
+            "pid": os.getpid(),
+            "fingerprint": eng.fingerprint.id,
+            "namespace": eng.fingerprint.namespace,
+            "num_blocks": eng.kv.num_blocks,
+            "block_size": eng.config.block_size,
+            "max_model_len": eng.max_model_len,
+        }
+
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        return self.worker.generate(prompt, params)
+
+    def generate_stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[StreamDelta]:
+        yield from self.worker.stream(prompt, params)
+
+    def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[int, list[int]] | None:
+        return self.worker.pin(hashes, lease_s)
+
+    def release(self, lease_id: int) -> None:
+        self.worker.release(lease_id)
+
+    def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+        return self.worker.export_blocks(block_ids)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return self.worker.cached_hashes()
+
+    def num_leases(self) -> int:
+        return self.worker.num_leases()
+
+    def load(self) -> dict[str, int]:
+        return self.worker.load()
+
+    def connector_call(self, method: str, *args: Any) -> Any:
+        """Call a method of this worker's connector (e.g. "flush", "stats")."""
+        return getattr(self.worker.kv.connector, method)(*args)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def worker_actor_class(num_gpus: float | None = None, num_cpus: float = 1) -> Any:
+    """``WorkerActor`` as a Ray actor class; ``num_gpus`` defaults to 1 when Ray sees a GPU."""
+    if num_gpus is None:
+        num_gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=MAX_CONCURRENCY)(
+        WorkerActor
+    )
