@@ -1,0 +1,22 @@
+"""kvmesh.cluster: config, router, serving (Ray Serve + OpenAI API), CLI.
+
+``deploy`` and ``build_app`` load Ray Serve on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ServeConfig", "build_app", "deploy"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("deploy", "build_app"):
+        from kvmesh.cluster import serve_app
+
+        return getattr(serve_app, name)
+    if name == "ServeConfig":
+        from kvmesh.cluster.config import ServeConfig
+
+        return ServeConfig
+    raise AttributeError(f"module 'kvmesh.cluster' has no attribute {name!r}")

@@ -18,13 +18,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="a real answer, then a second request reusing its prefix")
+    demo = sub.add_parser("demo", help="a local 3-worker cluster serving a multi-turn chat")
     demo.add_argument("--model", default=DEFAULT_MODEL)
-    demo.add_argument(
+    kind = demo.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--single",
+        action="store_true",
+        help="instead: one engine in this process, a follow-up that hits the prefix cache",
+    )
+    kind.add_argument(
         "--synthetic",
         action="store_true",
         help="instead: a synthetic multi-request trace through one block pool (no model)",
     )
+
+    serve = sub.add_parser("serve", help="serve the OpenAI API on a Ray cluster")
+    from kvmesh.cluster.launch import add_serve_args
+
+    add_serve_args(serve)
 
     for name, help_ in (("generate", "complete one prompt"), ("chat", "chat interactively")):
         p = sub.add_parser(name, help=help_)
@@ -52,8 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         run_trace(TraceConfig())
         return 0
     try:
-        if args.command == "demo":
+        if args.command == "serve":
+            from kvmesh.cluster.launch import config_from_args, serve_forever
+
+            serve_forever(config_from_args(args), args.address)
+        elif args.command == "demo" and args.single:
             from kvmesh.cluster.engine_demo import run_demo
+
+            run_demo(args.model)
+        elif args.command == "demo":
+            from kvmesh.cluster.demo import run_demo
 
             run_demo(args.model)
         elif args.command == "generate":

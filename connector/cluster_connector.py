@@ -60,6 +60,7 @@ class ClusterKvConnector(KvCacheConnector):
         self._planned: tuple[str, int] | None = None  # (holder, blocks) from the last lookup
         self._peers: dict[str, Any] = {}  # worker id -> actor handle, once added to transport
         self._lock = threading.Lock()  # guards the publisher and the mirror below
+        self._flush_lock = threading.Lock()  # one batch in flight
         self._publisher = EventPublisher(self.worker_id)
         self._held: set[BlockHash] = set()  # mirror of the pool's cached hashes, for snapshots
         self.stats: dict[str, float] = {
@@ -202,12 +203,21 @@ class ClusterKvConnector(KvCacheConnector):
                         timeout=self.config.timeout_s,
                     )
                     if not known:  # purged (missed heartbeats, or a new index): rejoin
-                        self._rejoin()
+                        with self._flush_lock:
+                            self._rejoin()
             except Exception as e:  # the index may be restarting; keep the worker alive
                 logger.warning("%s: publishing to the index failed: %s", self.worker_id, e)
 
     def flush(self) -> int:
-        """Send every buffered batch now; returns how many. Sends a snapshot on a gap."""
+        """Send every buffered batch now; returns how many. Sends a snapshot on a gap.
+
+        Callable from any thread; one batch is in flight at a time (the index applies a
+        worker's batches in sequence order, and a threaded actor may reorder concurrent calls).
+        """
+        with self._flush_lock:
+            return self._flush()
+
+    def _flush(self) -> int:
         sent = 0
         while True:
             with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvmesh.workers.chat import chat_prompt_ids
 from kvmesh.workers.engine import ConnectorFactory, LLMEngine
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import KvCacheConnector
@@ -99,19 +100,7 @@ class LLM:
 
     def chat_prompt(self, messages: Sequence[Message]) -> list[int]:
         """The token ids the chat template gives for ``messages`` plus the assistant turn."""
-        if not messages:
-            raise ValueError("messages: must not be empty")
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise ValueError(f"messages[{i}]: needs string 'role' and 'content'")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

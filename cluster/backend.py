@@ -1,0 +1,101 @@
+"""What the HTTP API and the Python handle need from the serving layer: the ``Backend`` contract.
+
+The OpenAI routes (``openai_api.py``) turn HTTP bodies into ``GenerateRequest``s and
+``Completion`` / ``Chunk`` objects back into OpenAI JSON; the cluster frontend implements
+``Backend`` over Ray worker actors and the router; ``LocalBackend`` implements it over one
+in-process engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from kvmesh.workers.outputs import RequestOutput
+from kvmesh.workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request, already validated field by field; exactly one of prompt / messages."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+
+
+@dataclass
+class KvSource:
+    """Where the prompt's KV came from: the ``kvmesh`` object of every response."""
+
+    worker: str
+    local_hit_tokens: int
+    pulled_tokens: int
+    computed_tokens: int
+    ttft_ms: float | None
+    prefill_worker: str | None = None
+
+    @classmethod
+    def of(cls, worker: str, out: RequestOutput, prefill_worker: str | None = None) -> KvSource:
+        m = out.metrics
+        ttft = None if m.ttft_s is None else round(m.ttft_s * 1000, 2)
+        return cls(
+            worker,
+            m.num_cached_tokens,
+            m.num_pulled_tokens,
+            m.num_computed_tokens,
+            ttft,
+            prefill_worker,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["prefill_worker"] is None:
+            del d["prefill_worker"]
+        return d
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    kv: KvSource
+
+    @property
+    def cached_tokens(self) -> int:
+        """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: local hits + pulled."""
+        return self.kv.local_hit_tokens + self.kv.pulled_tokens
+
+
+@dataclass
+class Chunk:
+    """A streamed piece; the last one has ``finish_reason`` and the whole ``completion``."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion: Completion | None = None
+
+
+class Backend(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a completion prompt (ValueError naming ``prompt`` on bad input)."""
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the chat template applied to ``messages`` plus the assistant turn."""
+
+    async def generate(self, request: GenerateRequest) -> Completion: ...
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]: ...
+
+    async def stats(self) -> dict[str, Any]:
+        """Gauges for /metrics: per-worker running/waiting, index blocks, pull counters."""

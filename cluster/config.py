@@ -1,0 +1,156 @@
+"""The serving configuration: one frozen object from a YAML file and/or command-line flags.
+
+Everything is checked here, before any process starts: unknown keys, wrong types, and
+settings that contradict each other are refused with a message that names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROUTERS = ("kv_aware", "round_robin", "least_loaded")
+TRANSPORTS = ("nixl", "ray")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None  # the name clients send; default: model
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"  # per worker
+    workers: int | None = None  # unified workers; default 1 when no P/D roles are given
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    router: str = "kv_aware"
+    transport: str | None = None  # None: NIXL when importable, else the Ray object store
+    connector: bool = True  # False: local prefix caching only (the baseline)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    device: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = _TYPES[f.name]
+            if value is not None and not _is(value, want):
+                raise bad(f.name, f"must be {want.__name__}")
+        if self.workers is not None and (self.prefill_workers or self.decode_workers):
+            raise ValueError(
+                "workers: give either workers (unified) or prefill_workers + decode_workers, "
+                "not both"
+            )
+        if bool(self.prefill_workers) != bool(self.decode_workers):
+            raise ValueError(
+                "prefill_workers/decode_workers: prefill/decode disaggregation needs at least "
+                f"one of each, got {self.prefill_workers} prefill and {self.decode_workers} decode"
+            )
+        if self.workers is not None and self.workers < 1:
+            raise bad("workers", "must be >= 1")
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("prefill_workers/decode_workers: must be >= 0")
+        if self.disaggregated and not self.connector:
+            raise ValueError(
+                "connector: prefill/decode disaggregation moves KV through the connector; "
+                "it cannot run with --no-connector"
+            )
+        if self.router not in ROUTERS:
+            raise bad("router", f"must be one of {', '.join(ROUTERS)}")
+        if self.transport is not None and self.transport not in TRANSPORTS:
+            raise bad("transport", f"must be one of {', '.join(TRANSPORTS)}")
+        if not 0 <= self.port <= 65535:
+            raise bad("port", "must be in [0, 65535]")
+        if self.block_size < 1:
+            raise bad("block_size", "must be >= 1")
+        if self.api_key == "":
+            raise bad("api_key", "must not be empty (leave it out to disable auth)")
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_workers)
+
+    @property
+    def num_unified_workers(self) -> int:
+        return 0 if self.disaggregated else (self.workers or 1)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ServeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        return cls.from_dict(load_yaml(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> ServeConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"config: cannot read {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"config: {path} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config: {path} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+_TYPES: dict[str, type] = {
+    "model": str,
+    "served_model_name": str,
+    "block_size": int,
+    "kv_cache_memory": str,
+    "workers": int,
+    "prefill_workers": int,
+    "decode_workers": int,
+    "router": str,
+    "transport": str,
+    "connector": bool,
+    "host": str,
+    "port": int,
+    "api_key": str,
+    "num_cpus_per_worker": float,
+    "num_gpus_per_worker": float,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "device": str,
+    "dtype": str,
+}
+
+
+def _is(value: Any, want: type) -> bool:
+    if want is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, want)

@@ -1,0 +1,107 @@
+"""`kvmesh serve`: join a running Ray cluster (or start a local one), deploy, serve, stop.
+
+Ctrl-C or SIGTERM shuts Serve down and, when this process started Ray, Ray too: no Ray
+process is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from kvmesh.cluster.config import ServeConfig, load_yaml
+
+logger = logging.getLogger(__name__)
+
+# Flags that map 1:1 onto ServeConfig fields (the CLI spelling uses dashes).
+_FLAGS: dict[str, dict[str, Any]] = {
+    "model": {"help": "a known name, a .gguf file or an HF directory"},
+    "served-model-name": {"help": "the model name clients send (default: --model)"},
+    "block-size": {"type": int},
+    "kv-cache-memory": {"help": "KV cache per worker, e.g. 1GiB"},
+    "workers": {"type": int, "help": "unified workers"},
+    "prefill-workers": {"type": int},
+    "decode-workers": {"type": int},
+    "router": {"choices": ["kv_aware", "round_robin", "least_loaded"]},
+    "transport": {"choices": ["nixl", "ray"]},
+    "host": {},
+    "port": {"type": int},
+    "api-key": {"help": "require this bearer key on /v1/*"},
+    "num-cpus-per-worker": {"type": float},
+    "num-gpus-per-worker": {"type": float},
+    "max-num-seqs": {"type": int},
+    "max-num-batched-tokens": {"type": int},
+    "device": {},
+    "dtype": {"choices": ["float32", "float16", "bfloat16"]},
+}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a YAML file of settings; flags override it")
+    for flag, kw in _FLAGS.items():
+        p.add_argument(f"--{flag}", default=None, **kw)
+    p.add_argument("--no-connector", action="store_true", help="local prefix caching only")
+    p.add_argument(
+        "--address",
+        default="auto",
+        help="Ray cluster to join (default: auto, a running one, else start a local one); "
+        "'local' always starts a new local one",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    settings = load_yaml(args.config) if args.config else {}
+    for flag in _FLAGS:
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            settings[flag.replace("-", "_")] = value
+    if args.no_connector:
+        settings["connector"] = False
+    return ServeConfig.from_dict(settings)
+
+
+def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
+    """Join the cluster at ``address``; start a local one when none runs. True if started."""
+    import ray
+
+    if address != "local":
+        try:
+            ray.init(address=address, log_to_driver=False)
+            return False
+        except ConnectionError:
+            logger.info("no running Ray cluster found; starting a local one")
+    workers = config.num_unified_workers + config.prefill_workers + config.decode_workers
+    # Logical CPUs: every worker gets its share even on a small machine.
+    cpus = max(os.cpu_count() or 1, int(workers * config.num_cpus_per_worker) + 1)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def serve_forever(config: ServeConfig, address: str = "auto") -> None:
+    import ray
+    from ray import serve
+
+    from kvmesh.cluster.serve_app import deploy
+
+    started_ray = connect_ray(config, address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        deploy(config)
+        print(
+            f"kvmesh: serving {config.model_name} on http://{config.host}:{config.port}/v1",
+            flush=True,
+        )
+        stop.wait()
+    finally:
+        print("kvmesh: shutting down", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()

@@ -1,0 +1,320 @@
+"""OpenAI request bodies (pydantic), their checks, errors, and response objects (plain dicts
+in OpenAI's shape).
+
+Requests are parsed in strict mode: OpenAI rejects ``"max_tokens": "10"``, so do we, rather
+than coerce. Unknown fields are ignored because official clients send fields we do not use.
+Ranges (max_tokens >= 1, 0 < top_p <= 1, ...) are not repeated here: ``SamplingParams``
+owns them, so the Python API and HTTP give the same messages.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvmesh.cluster.backend import Completion
+from kvmesh.workers.chat import ROLES
+from kvmesh.workers.sampling_params import SamplingParams
+
+T = TypeVar("T")
+# "field: why" -> field; the engine and SamplingParams name the field this way.
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body and ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+    @classmethod
+    def bad_input(cls, e: ValueError, rename: dict[str, str] | None = None) -> ApiError:
+        """A "field: why" ValueError -> 400 with param = field (renamed per ``rename``)."""
+        message = str(e)
+        m = _FIELD_PREFIX.match(message)
+        if m is None:
+            return cls(400, message)
+        param = (rename or {}).get(m.group(1), m.group(1))
+        return cls(400, f"{param}: {message[m.end() :]}", param=param)
+
+
+def valid(fn: Callable[[], T], rename: dict[str, str] | None = None) -> T:
+    """Run a validating call; its ValueError becomes a 400 naming the field."""
+    try:
+        return fn()
+    except ValueError as e:
+        raise ApiError.bad_input(e, rename) from None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content
+        if not isinstance(text, str):  # content parts, as newer clients send them
+            text = "\n".join(p.text for p in text)
+        return {"role": self.role, "content": text}
+
+
+class _GenerateBody(_Body):
+    """Fields both endpoints share; ``None`` means "the default"."""
+
+    PROMPT_FIELD: ClassVar[str]
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM); -1 means off, as there
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False  # extension (vLLM)
+    user: str | None = None  # accepted, unused
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def default_max_tokens(self, room: int) -> int:
+        """max_tokens when the client gave none; ``room`` is what the context has left."""
+        return min(room, COMPLETION_DEFAULT_MAX_TOKENS)
+
+    def check(self, model_name: str) -> None:
+        """Checks that need no tokens: the model, and n."""
+        if self.model is not None and self.model != model_name:
+            raise ApiError(
+                404,
+                f"model: {self.model!r} does not exist; this server has {model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if self.n != 1:
+            raise ApiError(400, f"n: only n=1 is supported, got {self.n}", param="n")
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """Validated SamplingParams whose prompt + max_tokens fit the context."""
+        kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "seed", "stop"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if self.top_k is not None and self.top_k != -1:
+            kw["top_k"] = self.top_k
+        asked, field = self.requested_max_tokens, self.max_tokens_field
+        # Sampling fields before lengths; a placeholder max_tokens until the length is known.
+        first = asked if asked is not None else 1
+        params = valid(lambda: SamplingParams(max_tokens=first, **kw), {"max_tokens": field})
+        if prompt_len >= max_model_len:
+            raise ApiError(
+                400,
+                f"{self.PROMPT_FIELD}: {prompt_len} tokens is longer than the context "
+                f"({max_model_len} tokens, one kept for the answer)",
+                param=self.PROMPT_FIELD,
+            )
+        if asked is None:
+            return replace(params, max_tokens=self.default_max_tokens(max_model_len - prompt_len))
+        if prompt_len + asked > max_model_len:
+            raise ApiError(
+                400,
+                f"{field}: the prompt's {prompt_len} tokens plus {field} {asked} exceed the "
+                f"context of {max_model_len} tokens",
+                param=field,
+            )
+        return params
+
+
+class ChatCompletionRequest(_GenerateBody):
+    PROMPT_FIELD = "messages"
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def default_max_tokens(self, room: int) -> int:
+        return room  # OpenAI's chat default: as long as the context allows
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [m.as_dict() for m in self.messages]
+
+
+class CompletionRequest(_GenerateBody):
+    PROMPT_FIELD = "prompt"
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids; a batch of one is unwrapped, more is a 400."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ApiError(400, "prompt: batches are not supported; send one", param="prompt")
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+_FIELDS = frozenset(
+    name
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, StreamOptions)
+    for name in model.model_fields
+)
+
+
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
+
+
+def parse_body(raw: bytes, model: type[B]) -> B:
+    """``model`` from a JSON body; ApiError 400 naming the field when it does not parse."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        message, param = describe_validation_error(e)
+        raise ApiError(400, message, param=param) from None
+
+
+def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of a pydantic error, param like ``messages[0].content``.
+
+    pydantic's ``loc`` also holds union member tags (``str``, ``list[int]``): the path stops
+    at the first part that is neither a field name nor an index.
+    """
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return f"request body is not valid JSON: {err['msg']}", None
+    param = ""
+    for part in err["loc"]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELDS:
+            param += f".{part}" if param else part
+        else:
+            break
+    if not param:
+        return f"request body: {err['msg']}", None
+    return f"{param}: {err['msg']}", param
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(c: Completion) -> dict[str, Any]:
+    prompt, completion = len(c.prompt_token_ids), len(c.token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
+    }
+
+
+class ResponseShape:
+    """Builds one endpoint's objects: ``chat`` (chat.completion / chat.completion.chunk) or
+    ``text`` (text_completion for both)."""
+
+    def __init__(self, kind: Literal["chat", "text"], request_id: str, model: str) -> None:
+        self.kind, self.id, self.model = kind, request_id, model
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, c: Completion) -> dict[str, Any]:
+        """The non-streaming response."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choice |= {"logprobs": None, "finish_reason": c.finish_reason}
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return self._head(obj) | {
+            "choices": [choice],
+            "usage": usage(c),
+            "kvmesh": c.kv.to_dict(),
+        }
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        *,
+        role: bool = False,
+        completion: Completion | None = None,
+    ) -> dict[str, Any]:
+        """A stream chunk; the last one (with ``completion``) also carries ``kvmesh``."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text or role:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        out = self._head(self.chunk_object) | {"choices": [choice]}
+        if completion is not None:
+            out["kvmesh"] = completion.kv.to_dict()
+        return out
+
+    def usage_chunk(self, c: Completion) -> dict[str, Any]:
+        """``stream_options.include_usage``: the extra last chunk, with no choices."""
+        return self._head(self.chunk_object) | {
+            "choices": [],
+            "usage": usage(c),
+            "kvmesh": c.kv.to_dict(),
+        }
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -1,0 +1,146 @@
+"""The Serve app on real Ray: OpenAI client over HTTP, the Python handle, routing, P/D."""
+
+from __future__ import annotations
+
+import socket
+
+import openai
+import pytest
+from ray import serve
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.serve_app import deploy
+from tests.ray_fixtures import ray_session  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+LONG = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(**kw) -> ServeConfig:
+    base = {
+        "model": "tiny-random",
+        "block_size": 4,
+        "kv_cache_memory": "8MiB",
+        "num_cpus_per_worker": 0.5,
+        "port": free_port(),
+    }
+    return ServeConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def unified():
+    config = tiny_config(workers=2, router="round_robin")
+    handle = deploy(config)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none")
+    yield handle, client, config
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    return LLM("tiny-random", block_size=4, num_kv_blocks=256, progress=False)
+
+
+def test_openai_chat_completions_and_stream(unified) -> None:
+    _, client, config = unified
+    assert [m.id for m in client.models.list().data] == [config.model_name]
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(
+        model=config.model_name, messages=messages, max_tokens=12, temperature=0
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    streamed = client.chat.completions.create(
+        model=config.model_name, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    comp = client.completions.create(
+        model=config.model_name, prompt="Once upon", max_tokens=10, temperature=0
+    )
+    pieces = client.completions.create(
+        model=config.model_name, prompt="Once upon", max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == comp.choices[0].text
+
+
+def test_round_robin_second_request_pulls(unified) -> None:
+    _, client, config = unified
+    outs = [
+        client.completions.create(model=config.model_name, prompt=LONG, max_tokens=8, temperature=0)
+        for _ in range(2)
+    ]
+    first, second = (o.model_extra["kvmesh"] for o in outs)
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+    assert first["worker"] != second["worker"]
+    assert second["pulled_tokens"] > 0
+    assert outs[1].usage.prompt_tokens_details.cached_tokens > 0
+    total = second["local_hit_tokens"] + second["pulled_tokens"] + second["computed_tokens"]
+    assert total == outs[1].usage.prompt_tokens
+
+
+def test_handle_generate_and_stream(unified, reference: LLM) -> None:
+    handle, _, _ = unified
+    req = {"prompt": list(range(1, 40)), "max_tokens": 6, "temperature": 0}
+    out = handle.generate.remote(req).result()
+    want = reference.generate([list(range(1, 40))], SamplingParams(max_tokens=6, temperature=0))
+    assert out["token_ids"] == want[0].token_ids
+    assert out["kvmesh"]["worker"].startswith("worker-")
+    chunks = list(handle.options(stream=True).generate.remote({**req, "stream": True}))
+    assert [t for c in chunks for t in c["token_ids"]] == out["token_ids"]
+    assert chunks[-1]["finish_reason"] == out["finish_reason"]
+    assert "kvmesh" in chunks[-1]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ],
+)
+def test_bad_input_through_the_live_app(unified, body, param) -> None:
+    _, client, config = unified
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=config.model_name, **body)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param
+
+
+def test_unknown_model_is_404(unified) -> None:
+    _, client, _ = unified
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+
+
+def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, reference) -> None:
+    serve.shutdown()  # one app at a time on this small cluster
+    handle = deploy(tiny_config(prefill_workers=1, decode_workers=1))
+    try:
+        ids = list(range(3, 70))
+        req = {"prompt": ids, "max_tokens": 8, "temperature": 0}
+        out = handle.generate.remote(req).result()
+        want = reference.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0]
+        assert out["token_ids"] == want.token_ids
+        kv = out["kvmesh"]
+        assert kv["prefill_worker"] == "prefill-0" and kv["worker"] == "decode-0"
+        assert kv["pulled_tokens"] == (len(ids) - 1) // 4 * 4  # only the last block recomputed
+
+        handle.kill_worker.remote("prefill-0").result()
+        ids2 = list(range(5, 60))
+        out2 = handle.generate.remote({**req, "prompt": ids2}).result()
+        want2 = reference.generate([ids2], SamplingParams(max_tokens=8, temperature=0))[0]
+        assert out2["token_ids"] == want2.token_ids
+        assert "prefill_worker" not in out2["kvmesh"]
+        assert out2["kvmesh"]["computed_tokens"] == len(ids2)
+    finally:
+        serve.shutdown()
