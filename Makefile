@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,bench]'
 	touch $@
 
 install: $(STAMP)
@@ -45,6 +45,7 @@ bench: $(TEST_STAMP)
 	$(PY) bench/transport.py
 	$(PY) bench/pull_vs_recompute.py --prefix-tokens 2048
 	$(PY) bench/engine_vs_hf.py
+	$(PY) bench/cluster.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

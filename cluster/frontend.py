@@ -70,6 +70,8 @@ class ClusterBackend:
         self.index = get_index_actor(self.info["fingerprint"]) if config.connector else None
         self.router = Router(config.router, config.block_size, config.connector)
         self.loads: dict[str, int] = dict.fromkeys(self.workers, 0)
+        self.inflight: dict[str, list[list[bytes]]] = {w: [] for w in self.workers}
+        self._route_lock = asyncio.Lock()
         self.dead: set[str] = set()
 
     # -- tokens -------------------------------------------------------------------------------
@@ -97,14 +99,21 @@ class ClusterBackend:
 
     async def _choose(self, role: str, ids: list[int]) -> str:
         candidates = [w for w in self.roles[role] if w not in self.dead]
-        depths = None
-        if self.router.needs_lookup and self.index is not None:
+        depths: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        if self.router.needs_lookup:
             hashes = block_hashes(ids, self.config.block_size, self.namespace)
-            try:
-                depths = await self.index.lookup.remote(hashes)
-            except Exception as e:  # the index is a hint: route without it
-                logger.warning("index lookup failed: %s", e)
-        return self.router.choose(candidates, self.loads, len(ids), depths).worker
+            if self.index is not None:
+                try:
+                    depths = dict(await self.index.lookup.remote(hashes))
+                except Exception as e:  # the index is a hint: route without it
+                    logger.warning("index lookup failed: %s", e)
+            # Prompts still prefilling: a request that shares their prefix goes to the same
+            # worker and hits it a step later, instead of computing it again elsewhere.
+            for w, chains in self.inflight.items():
+                for chain in chains:
+                    pending[w] = max(pending.get(w, 0), _common_prefix(chain, hashes))
+        return self.router.choose(candidates, self.loads, len(ids), depths, pending).worker
 
     def _observe(self, worker: str, out: RequestOutput, queue: int) -> None:
         m = out.metrics
@@ -132,14 +141,21 @@ class ClusterBackend:
             prefill_worker = await self._prefill(ids, request)
         role = "decode" if self.config.disaggregated else "worker"
         for attempt in range(2):  # a worker that dies before its first token: try another
-            worker = await self._choose(role, ids)
-            queue = self.loads[worker]
-            self.loads[worker] += 1
+            chain = block_hashes(ids, self.config.block_size, self.namespace)
+            # Choose and record as one step: concurrent requests must see each other's
+            # choice (queue length, in-flight prefix), or a burst all lands the same way.
+            async with self._route_lock:
+                worker = await self._choose(role, ids)
+                queue = self.loads[worker]
+                self.loads[worker] += 1
+                self.inflight[worker].append(chain)
             started = False
             try:
                 gen = self.workers[worker].generate_stream.remote(ids, request.params)
                 async for ref in gen:
                     delta = await ref
+                    if not started:
+                        self.inflight[worker].remove(chain)
                     started = True
                     chunk = Chunk(
                         request.request_id, delta.text, delta.token_ids, delta.finish_reason
@@ -160,6 +176,8 @@ class ClusterBackend:
                 logger.warning("%s died before answering; retrying on another worker", worker)
             finally:
                 self.loads[worker] -= 1
+                if not started:
+                    self.inflight[worker].remove(chain)
 
     async def _prefill(self, ids: list[int], request: GenerateRequest) -> str | None:
         """Compute the prompt's blocks on a prefill worker and publish them; None on failure
@@ -222,3 +240,12 @@ class ClusterBackend:
             except Exception:
                 logger.debug("worker already gone at shutdown")
             ray.kill(h)
+
+
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -95,23 +95,27 @@ class Router:
         loads: dict[str, int],
         num_prompt_tokens: int = 0,
         depths: dict[str, int] | None = None,
+        pending: dict[str, int] | None = None,
     ) -> Choice:
         """Pick one of ``candidates`` (non-empty). ``loads``: running + waiting per worker;
-        ``depths``: the index's prefix depth per worker (kv_aware only)."""
+        ``depths``: the index's prefix depth per worker; ``pending``: the prefix depth of
+        prompts a worker is computing right now (kv_aware only). Pending blocks count as
+        local to their worker (its scheduler makes the request wait a step and hit them) but
+        not as pullable: nobody holds them yet."""
         if not candidates:
             raise RuntimeError("no worker is available")
         if self.policy == "round_robin":
             return Choice(candidates[next(self._rr) % len(candidates)])
         if self.policy == "least_loaded":
             return Choice(min(candidates, key=lambda w: (loads.get(w, 0), w)))
-        depths = depths or {}
+        depths, pending = depths or {}, pending or {}
         # The last token is always computed, so only (n - 1) // block_size blocks can hit.
         num_blocks = max(num_prompt_tokens - 1, 0) // self.block_size
         partial = num_prompt_tokens - num_blocks * self.block_size
         best = max(depths.values(), default=0)
         options = []
         for w in candidates:
-            local = min(depths.get(w, 0), num_blocks)
+            local = min(max(depths.get(w, 0), pending.get(w, 0)), num_blocks)
             pull = max(min(best, num_blocks) - local, 0) if self.connector else 0
             ttft = self.cost.estimate(
                 num_blocks, self.block_size, local, pull, loads.get(w, 0), partial

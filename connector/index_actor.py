@@ -208,7 +208,7 @@ class KvIndexActor:
 
 def get_index_actor(
     fingerprint_id: str,
-    namespace: str | None = None,
+    namespace: str | None = "kvmesh",
     *,
     heartbeat_timeout_s: float | None = 10.0,
     check_interval_s: float | None = None,

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from typing import Any
 
 import pytest
 import torch
 
+from kvmesh.workers import cascade_attention
 from kvmesh.workers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -16,6 +18,7 @@ from kvmesh.workers.attention import (
     TorchAttentionBackend,
     get_attn_backend,
 )
+from kvmesh.workers.cascade_attention import find_shared_prefix
 from kvmesh.workers.kv_cache import KVCache, parse_memory
 from kvmesh.workers.model_config import ModelConfig
 
@@ -36,7 +39,7 @@ def dense_reference(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [Lq, Hq, D]
 
 
-def run_case(
+def make_case(
     backend: AttentionBackend,
     query_lens: list[int],
     seq_lens: list[int],
@@ -47,26 +50,37 @@ def run_case(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-) -> float:
-    """One step of a mixed batch with cached prefixes pre-written; returns the max abs error."""
+    shared_blocks: int = 0,
+    sharing: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One step of a mixed batch with cached prefixes pre-written: (backend output, dense
+    reference [T, Hq, D] float64, the step's metadata). Rows in `sharing` (default: all) start
+    with the same `shared_blocks` block ids holding the same K/V, as after a prefix-cache hit."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     ids = list(range(1, num_blocks))  # block 0 stays unused, as the padding id
     rng.shuffle(ids)
+    common = [ids.pop() for _ in range(shared_blocks)]
+    sharing = list(range(len(seq_lens))) if sharing is None else sharing
+    shared_k = torch.randn(shared_blocks * block_size, hkv, D, generator=gen).to(dtype)
+    shared_v = torch.randn(shared_blocks * block_size, hkv, D, generator=gen).to(dtype)
     tables = []
-    for s in seq_lens:  # random, non-contiguous block ids per sequence
+    for b, s in enumerate(seq_lens):  # random, non-contiguous block ids per sequence
         n = -(-s // block_size)
-        tables.append([ids.pop() for _ in range(n)])
+        head = common if b in sharing else []
+        tables.append(head + [ids.pop() for _ in range(n - len(head))])
     # Garbage everywhere else: padding entries and unused slots must be masked, not just zero.
     k_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(device, dtype)
     v_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(device, dtype)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
     qs, ks, vs, refs = [], [], [], []
     scale = D**-0.5
-    for lq, s, table in zip(query_lens, seq_lens, tables, strict=True):
+    for b, (lq, s, table) in enumerate(zip(query_lens, seq_lens, tables, strict=True)):
         q = torch.randn(lq, hq, D, generator=gen).to(dtype)
         k = torch.randn(s, hkv, D, generator=gen).to(dtype)
         v = torch.randn(s, hkv, D, generator=gen).to(dtype)
+        if b in sharing:
+            k[: len(shared_k)], v[: len(shared_v)] = shared_k, shared_v
         for p in range(s - lq):  # the cached prefix, written by "earlier steps"
             k_cache[table[p // block_size], p % block_size] = k[p]
             v_cache[table[p // block_size], p % block_size] = v[p]
@@ -87,7 +101,13 @@ def run_case(
     new_k = torch.cat(ks).to(device)
     flat = k_cache.view(-1, hkv, D)
     assert torch.equal(flat[meta.slot_mapping], new_k), "new K not written at slot_mapping"
-    return (out.double().cpu() - torch.cat(refs)).abs().max().item()
+    return out, torch.cat(refs), meta
+
+
+def run_case(*args: Any, **kwargs: Any) -> float:
+    """make_case's max abs error against the dense reference."""
+    out, ref, _ = make_case(*args, **kwargs)
+    return (out.double().cpu() - ref).abs().max().item()
 
 
 HEADS = [(4, 4), (4, 2), (8, 1)]
@@ -130,6 +150,85 @@ def test_chunked_prefill_in_two_steps() -> None:
 def test_bf16_cache() -> None:
     err = run_case(TorchAttentionBackend(), [5, 1, 4], [9, 6, 4], 4, 2, dtype=torch.bfloat16)
     assert err < 5e-2, f"max abs diff {err}"
+
+
+def _no_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cascade_attention, "MIN_SHARED_BLOCKS", 10**9)
+
+
+def _plan_tokens(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """(cascade decode tokens, plain decode tokens) of the step's TorchAttentionBackend plan."""
+    plan = meta.scratch["torch_plan"]
+    plain = [] if plan.decode_tokens is None else plan.decode_tokens.tolist()
+    return plan.cascade_tokens.tolist(), plain
+
+
+CASCADE_HEADS = [(4, 2), (9, 3), (8, 1), (4, 4)]
+
+
+@pytest.mark.parametrize(("hq", "hkv"), CASCADE_HEADS)
+def test_cascade_decodes_match_plain_and_reference(
+    hq: int, hkv: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 5 shared blocks of 4 = 20 tokens. Row 0 is the shared prefix plus one token, row 2 ends
+    # exactly on a block boundary, the others have suffixes of different lengths.
+    case = dict(query_lens=[1] * 5, seq_lens=[21, 33, 24, 22, 38], hq=hq, hkv=hkv)
+    out, ref, meta = make_case(TorchAttentionBackend(), **case, shared_blocks=5)
+    assert _plan_tokens(meta) == ([0, 1, 2, 3, 4], [])
+    assert meta.scratch["torch_plan"].cascade.shared_rows.numel() == hkv * 20
+    _no_cascade(monkeypatch)
+    plain, ref2, meta2 = make_case(TorchAttentionBackend(), **case, shared_blocks=5)
+    assert _plan_tokens(meta2) == ([], [0, 1, 2, 3, 4])
+    assert torch.equal(ref, ref2)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert (plain.double() - ref).abs().max().item() < 1e-5
+    assert (out - plain).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (9, 3), (8, 1)])
+def test_mixed_batch_with_cascade_decodes(
+    hq: int, hkv: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows: cascade decode, fresh prefill, cascade decode (shared prefix + 1), plain decode (own
+    # blocks), prefill after a prefix hit on the shared blocks, cascade decode.
+    case = dict(query_lens=[1, 7, 1, 1, 6, 1], seq_lens=[23, 7, 21, 30, 26, 29], hq=hq, hkv=hkv)
+    sharing = [0, 2, 4, 5]
+    out, ref, meta = make_case(TorchAttentionBackend(), **case, shared_blocks=5, sharing=sharing)
+    assert _plan_tokens(meta) == ([0, 8, 16], [9])  # tokens of rows 0, 2, 5 and of row 3
+    _no_cascade(monkeypatch)
+    plain, _, meta2 = make_case(TorchAttentionBackend(), **case, shared_blocks=5, sharing=sharing)
+    assert _plan_tokens(meta2) == ([], [0, 8, 9, 16])
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert (out - plain).abs().max().item() < 1e-5
+
+
+def test_cascade_bf16_cache() -> None:
+    case = dict(query_lens=[1, 1, 1], seq_lens=[21, 30, 25], hq=4, hkv=2, dtype=torch.bfloat16)
+    out, ref, meta = make_case(TorchAttentionBackend(), **case, shared_blocks=5)
+    assert meta.scratch["torch_plan"].cascade is not None
+    assert (out.double() - ref).abs().max().item() < 5e-2
+
+
+def _tables(rows: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+
+def test_find_shared_prefix() -> None:
+    prefix = [7, 3, 9, 4, 8]
+    # Largest group by first block wins; sharing stops at the first differing block.
+    rows = [[*prefix, 1, 2], [5, 6, 10, 11, 12, 13], [*prefix, 20], [*prefix[:4], 21, 22]]
+    seq_lens = [7 * 4, 6 * 4, 6 * 4, 6 * 4]
+    assert find_shared_prefix(_tables(rows), seq_lens, 4) == ([0, 2, 3], 4)
+    # A row's last block (the one holding its newest token) never counts as shared.
+    rows = [[*prefix, 1], [*prefix, 2], prefix]
+    assert find_shared_prefix(_tables(rows), [24, 24, 20], 4) == ([0, 1, 2], 4)
+    assert find_shared_prefix(_tables(rows), [24, 24, 21], 4) == ([0, 1, 2], 5)
+    # Too few shared blocks, rows too short to share 4 blocks, no common first block: none.
+    rows = [[7, 3, 9, 1, 5, 6], [7, 3, 9, 2, 5, 6]]
+    assert find_shared_prefix(_tables(rows), [24, 24], 4) == ([], 0)
+    assert find_shared_prefix(_tables([[7, 3, 9], [7, 3, 9]]), [12, 12], 4) == ([], 0)
+    assert find_shared_prefix(_tables([[*prefix, 1], [2] * 6]), [24, 24], 4) == ([], 0)
 
 
 def test_metadata_build() -> None:

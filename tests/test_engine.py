@@ -203,3 +203,14 @@ def test_request_that_can_never_fit_the_pool(llm: LLM) -> None:
     small = make_llm(num_kv_blocks=4)
     with pytest.raises(ValueError, match="at most 16"):
         small.generate(["x" * 20], SamplingParams(max_tokens=2))
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:
+    llm = make_llm(num_kv_blocks=128, max_num_batched_tokens=512)
+    shared = prompts(9, 1, shared=40)[0][:40]  # 10 full blocks of 4
+    batch = [[*shared, 200 + i, 201, 202] for i in range(4)]
+    outs = llm.generate(batch, GREEDY)
+    cached = sorted(o.metrics.num_cached_tokens for o in outs)
+    # One request computes the prefix; the others wait one step and hit it.
+    assert cached == [0, 40, 40, 40]
+    assert sum(o.metrics.num_computed_tokens for o in outs) == 40 + 4 * 3

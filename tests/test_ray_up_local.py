@@ -81,8 +81,11 @@ def test_ray_up_serve_ray_down(tmp_path: Path) -> None:
         assert reply["choices"][0]["message"]["role"] == "assistant"
         assert isinstance(reply["choices"][0]["message"]["content"], str)
         assert reply["usage"]["completion_tokens"] >= 1
+        # The head has no CPUs: the one engine worker holds the autoscaled node's CPU.
         status = cluster.ray("status", "--address", cluster.gcs_address, timeout=60)
-        print(status)
+        active = status.partition("Active:")[2].partition("Idle:")[0].split("\n")
+        assert {"1 head", "1 cpu_worker"} <= {line.strip() for line in active}, status
+        assert "1.0/1.0 CPU" in status, status
         phases.append(("chat", time.monotonic()))
 
         serve.send_signal(signal.SIGTERM)
@@ -102,6 +105,5 @@ def test_ray_up_serve_ray_down(tmp_path: Path) -> None:
         if serve is not None and serve.poll() is None:
             serve.kill()
             serve.wait(timeout=30)
-        if not torn_down:
-            cluster.kill_all()
+        cluster.cleanup(kill=not torn_down)
         print(", ".join(f"{n} {t - p:.0f}s" for (_, p), (n, t) in itertools.pairwise(phases)))

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvmesh.workers.cascade_attention import CascadeDecode, find_shared_prefix
+
 
 @dataclass
 class AttentionMetadata:
@@ -125,12 +127,15 @@ def _context_blocks(block_tables: torch.Tensor, seq_len: int, block_size: int) -
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Pure torch, any device. Decode rows (query_len == 1) go through one batched SDPA call over
-    K/V gathered block-wise to [Bd, S', Hkv, D] (S' = max blocks * block_size) with a length
-    mask; each prefill row gets one SDPA call (is_causal when it has no cached prefix, else a
-    bottom-right causal mask over its gathered context). GQA: decode folds a KV head's query
-    heads into SDPA's query-length axis (no K/V copy); prefill expands K/V to Hq heads. Index
-    tensors are derived once per step (meta.scratch) and shared by all layers."""
+    """Pure torch, any device. Decode rows (query_len == 1) that share a leading run of >= 4
+    block ids (a prefix-cache hit) take cascade attention (cascade_attention.py: the shared
+    K/V is read once for all of them, each row's suffix separately). Other decode rows go
+    through one batched SDPA call over K/V gathered block-wise to [Bd, S', Hkv, D]
+    (S' = max blocks * block_size) with a length mask; each prefill row gets one SDPA call
+    (is_causal when it has no cached prefix, else a bottom-right causal mask over its gathered
+    context). GQA: decode folds a KV head's query heads into SDPA's query-length axis (no K/V
+    copy); prefill expands K/V to Hq heads. Index tensors are derived once per step
+    (meta.scratch) and shared by all layers."""
 
     def forward(
         self,
@@ -145,23 +150,34 @@ class TorchAttentionBackend(AttentionBackend):
         _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = meta.scratch.get("torch_plan")
         if plan is None:
-            plan = meta.scratch["torch_plan"] = _TorchPlan(meta, k_cache.shape[1])
-        hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+            plan = _TorchPlan(meta, k_cache.shape[1], k_cache.shape[2], q.dtype)
+            meta.scratch["torch_plan"] = plan
+        t, hq, d = q.shape
+        hkv = k_cache.shape[2]
         group = hq // hkv
         out = q.new_empty(q.shape)
+
+        if plan.cascade is not None:
+            nc = plan.cascade_tokens.shape[0]
+            # Decode tokens are sorted, so nc == t means they are exactly 0 .. t-1.
+            qc = q if nc == t else q.index_select(0, plan.cascade_tokens)
+            oc = plan.cascade.forward(qc, k_cache, v_cache, scale)
+            if nc == t:
+                return oc
+            out.index_copy_(0, plan.cascade_tokens, oc)
 
         if plan.decode_tokens is not None:
             nd = plan.decode_tokens.shape[0]
             # Query heads of KV head j are rows j*group .. j*group+group-1 (HF's repeat_kv order).
-            qd = q if plan.all_decode else q.index_select(0, plan.decode_tokens)
+            qd = q if nd == t else q.index_select(0, plan.decode_tokens)
             qd = qd.view(nd, hkv, group, d)  # [Bd, Hkv, G, D]
-            # [Bd * nb, bs, Hkv, D] -> [Bd, Hkv, S', D]
+            # [Bd * nb, bs, Hkv, D] -> [Bd, Hkv, S', D] (SDPA reads the strided view, no copy)
             kd = k_cache.index_select(0, plan.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
             vd = v_cache.index_select(0, plan.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
             od = F.scaled_dot_product_attention(  # mask [Bd, 1, 1, S'] -> out [Bd, Hkv, G, D]
                 qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
             )
-            if plan.all_decode:
+            if nd == t:
                 return od.reshape(nd, hq, d)
             out.index_copy_(0, plan.decode_tokens, od.reshape(nd, hq, d))
 
@@ -183,27 +199,48 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class _TorchPlan:
-    """Index tensors for TorchAttentionBackend, derived from one step's metadata."""
+    """Index tensors and masks (in the step's q dtype) for TorchAttentionBackend, derived from
+    one step's metadata."""
 
-    def __init__(self, meta: AttentionMetadata, block_size: int) -> None:
+    def __init__(
+        self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> None:
         device = meta.block_tables.device
         starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
         decode = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
-        self.all_decode = len(decode) == len(meta.query_lens_cpu)
+        # Decode rows sharing a leading run of blocks take the cascade; the rest the plain path.
+        self.cascade: CascadeDecode | None = None
+        self.cascade_tokens = torch.empty(0, dtype=torch.int64)
+        if len(decode) >= 2:
+            tables = meta.block_tables[torch.tensor(decode, device=device)]
+            picked, shared = find_shared_prefix(
+                tables, [meta.seq_lens_cpu[b] for b in decode], block_size
+            )
+            if picked:
+                rows = [decode[i] for i in picked]
+                self.cascade_tokens = torch.tensor([starts[b] for b in rows], device=device)
+                self.cascade = CascadeDecode(
+                    tables[torch.tensor(picked, device=device)],
+                    [meta.seq_lens_cpu[b] for b in rows],
+                    shared,
+                    block_size,
+                    num_kv_heads,
+                )
+                decode = sorted(set(decode) - set(rows))
         self.decode_tokens: torch.Tensor | None = None
         self.decode_blocks = torch.empty(0, dtype=torch.int64)
-        self.decode_mask = torch.empty(0, dtype=torch.bool)
+        self.decode_mask = torch.empty(0, dtype=dtype)
         if decode:
-            rows = torch.tensor(decode, dtype=torch.int64, device=device)
+            rows_t = torch.tensor(decode, dtype=torch.int64, device=device)
             max_len = max(meta.seq_lens_cpu[b] for b in decode)
             self.decode_tokens = torch.tensor([starts[b] for b in decode], device=device)
-            self.decode_blocks = _context_blocks(meta.block_tables[rows], max_len, block_size)
+            self.decode_blocks = _context_blocks(meta.block_tables[rows_t], max_len, block_size)
             width = self.decode_blocks.shape[0] // len(decode) * block_size  # S'
-            lens = meta.seq_lens[rows].to(torch.int64)
+            lens = meta.seq_lens[rows_t].to(torch.int64)
             valid = torch.arange(width, device=device)[None, :] < lens[:, None]  # [Bd, S']
-            self.decode_mask = valid[:, None, None, :]
-        # (first token, end token, seq_len, context block ids, [Lq, S] mask); the last two are
-        # None for a prefill without cached prefix.
+            self.decode_mask = _additive(valid[:, None, None, :], dtype)  # [Bd, 1, 1, S']
+        # (first token, end token, seq_len, context block ids, [Lq, S] additive mask); the last two
+        # are None for a prefill without cached prefix.
         self.prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for b, (ql, sl) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             if ql == 1:
@@ -215,7 +252,14 @@ class _TorchPlan:
             # Query i sits at position sl - ql + i and sees keys 0 .. sl - ql + i.
             qpos = torch.arange(sl - ql, sl, device=device)
             mask = torch.arange(sl, device=device)[None, :] <= qpos[:, None]  # [Lq, S]
-            self.prefills.append((starts[b], starts[b + 1], sl, blocks, mask))
+            self.prefills.append((starts[b], starts[b + 1], sl, blocks, _additive(mask, dtype)))
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA's additive float mask (0 where allowed, -inf where not),
+    made once per step: SDPA would otherwise convert the bool mask in every layer."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return zero.masked_fill(~allowed, float("-inf"))
 
 
 class FlashAttentionBackend(AttentionBackend):

@@ -69,19 +69,29 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        # Blocks that running requests are about to compute: a waiting request whose next
+        # missing block is among them waits a step and then hits it, instead of computing the
+        # same KV twice (e.g. many requests arriving at once with one system prompt).
+        pending = self._pending_blocks() if self.waiting and not preempted else set()
+        j = 0
         while (
             not preempted
-            and self.waiting
+            and j < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting[j]
             computed = self.kv.get_computed_blocks(req)
-            hit = (len(computed.local_blocks) + computed.num_external_blocks) * self.kv.block_size
+            found = len(computed.local_blocks) + computed.num_external_blocks
+            cacheable = min(len(req.block_hashes), (req.num_tokens - 1) // self.kv.block_size)
+            if found < cacheable and req.block_hashes[found] in pending:
+                j += 1
+                continue
+            hit = found * self.kv.block_size
             alloc = self.kv.allocate_slots(req, min(req.num_tokens - hit, budget), computed)
             if alloc is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             req.num_computed_tokens = alloc.num_computed_tokens
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
@@ -92,9 +102,18 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            pending.update(req.block_hashes[req.num_computed_tokens // self.kv.block_size :])
             batch.append(ScheduledRequest(req, n))
             budget -= n
         return batch
+
+    def _pending_blocks(self) -> set[bytes]:
+        """Hashes of full blocks that running requests have yet to compute."""
+        bs = self.kv.block_size
+        pending: set[bytes] = set()
+        for req in self.running:
+            pending.update(req.block_hashes[req.num_computed_tokens // bs :])
+        return pending
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

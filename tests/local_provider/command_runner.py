@@ -44,8 +44,12 @@ def node_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
-def stop_node_processes(marker: str, grace_s: float = 5.0) -> int:
-    """SIGTERM every process of one node, SIGKILL what outlives ``grace_s``; how many."""
+def stop_node_processes(marker: str, grace_s: float = 2.0) -> int:
+    """SIGTERM every process of one node, SIGKILL what outlives ``grace_s``; how many.
+
+    A short grace: with all of a node's processes signalled at once, gcs_server and raylet
+    sit out any grace period anyway, and a terminated node is a machine switched off.
+    """
     procs = node_processes(marker)
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):

@@ -159,8 +159,9 @@ class LocalCluster:
         monitor = sorted(self.temp_dir.glob("session_*/logs/monitor*"))
         return "\n".join(f"--- {p} ---\n{tail(p)}" for p in (self.log, *extra, *monitor))
 
-    def kill_all(self) -> None:
-        """After a failure: stop whatever is left, whatever state `ray down` did not reach."""
-        for marker in self.markers():
-            stop_node_processes(marker, grace_s=2)
+    def cleanup(self, *, kill: bool) -> None:
+        """Remove the temp dir; after a failure (``kill``) first stop what is left running."""
+        if kill:
+            for marker in self.markers():
+                stop_node_processes(marker, grace_s=2)
         shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,230 @@
+"""The cluster under a multi-turn chat load: kv_aware + connector against the baselines.
+
+4 workers; 8 conversations of 8 turns that share a system prompt, 8 concurrent clients (one
+conversation each), 64 requests through the Python handle. In one run, three setups side by
+side: kv_aware + connector, round_robin + connector, round_robin without connector (local
+prefix caching only). Also replays the same prompts through one ideal block pool of the same
+total size (bookkeeping only) to count the prompt tokens it would have to compute. Prints one
+JSON line and plots the TTFT CDFs to docs/cluster_ttft_cdf.png.
+
+    .venv/bin/python bench/cluster.py [--model smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.serve_app import deploy
+from kvmesh.workers.kv_cache import KVCache, parse_memory
+from kvmesh.workers.kv_cache_manager import KVCacheManager
+from kvmesh.workers.loader import load_tokenizer
+from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.request import Request
+
+SETUPS = {
+    "kv_aware+connector": {"router": "kv_aware", "connector": True},
+    "round_robin+connector": {"router": "round_robin", "connector": True},
+    "round_robin+local_only": {"router": "round_robin", "connector": False},
+}
+TOPICS = [
+    "KV caches",
+    "prefill",
+    "decode",
+    "paged attention",
+    "NIXL",
+    "Ray Serve",
+    "routing",
+    "batching",
+]
+
+
+def conversation_turns(seed: int, turns: int) -> list[str]:
+    """User turns that each bring a log excerpt (~100 tokens) and a question, as an engineer
+    debugging a cluster would: the history, not the answers, is what grows."""
+    rng = random.Random(seed)
+    topic = TOPICS[seed % len(TOPICS)]
+    asks = ["Explain", "What limits", "How would you measure", "Summarize"]
+    out = []
+    for t in range(turns):
+        log = " ".join(
+            f"worker-{rng.randrange(16)} step {rng.randrange(10**5)} ttft={rng.random():.3f}s"
+            for _ in range(8)
+        )
+        out.append(f"Log excerpt {t}: {log}. {rng.choice(asks)} {topic} given this log.")
+    return out
+
+
+async def client(handle: Any, system: str, turns: list[str], max_tokens: int) -> list[dict]:
+    messages = [{"role": "system", "content": system}]
+    results = []
+    for question in turns:
+        messages.append({"role": "user", "content": question})
+        start = time.perf_counter()
+        out = await handle.generate.remote(
+            {
+                "messages": list(messages),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        )
+        results.append({**out, "wall_s": time.perf_counter() - start, "messages": list(messages)})
+        messages.append({"role": "assistant", "content": out["text"]})
+    return results
+
+
+async def run_setup(handle: Any, system: str, convs: list[list[str]], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    per_client = await asyncio.gather(*(client(handle, system, c, max_tokens) for c in convs))
+    wall = time.perf_counter() - start
+    outs = [o for c in per_client for o in c]
+    ttfts = sorted(o["kvmesh"]["ttft_ms"] / 1000 for o in outs)
+    prompt = sum(o["usage"]["prompt_tokens"] for o in outs)
+    return {
+        "outs": outs,
+        "ttfts": ttfts,
+        "summary": {
+            "ttft_p50_s": round(statistics.median(ttfts), 3),
+            "ttft_p90_s": round(ttfts[int(0.9 * (len(ttfts) - 1))], 3),
+            "requests_per_s": round(len(outs) / wall, 3),
+            "gen_tokens_per_s": round(sum(o["usage"]["completion_tokens"] for o in outs) / wall, 2),
+            "wall_s": round(wall, 2),
+            "prompt_tokens": prompt,
+            "computed_tokens": sum(o["kvmesh"]["computed_tokens"] for o in outs),
+            "share_local": round(sum(o["kvmesh"]["local_hit_tokens"] for o in outs) / prompt, 3),
+            "share_pulled": round(sum(o["kvmesh"]["pulled_tokens"] for o in outs) / prompt, 3),
+            "share_computed": round(sum(o["kvmesh"]["computed_tokens"] for o in outs) / prompt, 3),
+        },
+    }
+
+
+def ideal_pool_computed(
+    requests: list[tuple[list[int], list[int]]], num_blocks: int, block_size: int
+) -> int:
+    """Prompt tokens one pool of ``num_blocks`` would compute for the same requests, served
+    one after another; like the workers, it caches the generated tokens' blocks too."""
+    kv = KVCacheManager(num_blocks, block_size)
+    computed = 0
+    for i, (ids, output) in enumerate(requests):
+        req = Request(f"r{i}", ids, block_size, b"ideal")
+        hit = kv.get_computed_blocks(req)
+        alloc = kv.allocate_slots(req, req.num_tokens - len(hit.local_blocks) * block_size, hit)
+        assert alloc is not None
+        computed += req.num_tokens - alloc.num_computed_tokens
+        kv.cache_blocks(req, req.num_tokens)
+        for token in output[:-1]:  # the last token is sampled, never fed back
+            req.append_output_token(token)
+            assert kv.allocate_slots(req, 1) is not None
+            kv.cache_blocks(req, req.num_tokens)
+        kv.free(req)
+    return computed
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.items():
+        xs = r["ttfts"]
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("kvmesh: TTFT CDF, 4 workers, 64 multi-turn chat requests")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=8)
+    # Short answers: the benchmark is about prompt KV reuse, and on a CPU decoding long
+    # answers would drown the prompt work it measures.
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--kv-cache-memory", default="128MiB")
+    ap.add_argument("--plot", default="docs/cluster_ttft_cdf.png")
+    args = ap.parse_args()
+
+    system = (
+        "You are kvmesh's assistant. You answer questions about serving large language models "
+        "on clusters: caching, scheduling, batching, transfer of KV blocks between machines, "
+        "and measuring latency. Keep answers short and concrete. " * 12
+    )
+    convs = [conversation_turns(i, args.turns) for i in range(args.conversations)]
+    ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
+    results: dict[str, dict] = {}
+    for name, setup in SETUPS.items():
+        config = ServeConfig(
+            model=args.model,
+            workers=args.workers,
+            kv_cache_memory=args.kv_cache_memory,
+            num_cpus_per_worker=1.0,
+            **setup,
+        )
+        handle = deploy(config)
+        results[name] = asyncio.run(run_setup(handle, system, convs, args.max_tokens))
+        serve.shutdown()
+
+    # The ideal pool sees the same prompts, in the order the first setup served them.
+    tok = load_tokenizer(args.model)
+    from kvmesh.workers.chat import chat_prompt_ids
+    from kvmesh.workers.loader import load_weights
+
+    mc: ModelConfig = load_weights(args.model, progress=False).config
+    per_worker = KVCache.num_blocks_for_memory(mc, 16, _fp32(), parse_memory(args.kv_cache_memory))
+    served = [
+        (chat_prompt_ids(tok, o["messages"]), o["token_ids"])
+        for o in results["kv_aware+connector"]["outs"]
+    ]
+    ideal = ideal_pool_computed(served, per_worker * args.workers, 16)
+
+    summary = {name: r["summary"] for name, r in results.items()}
+    kv, local = summary["kv_aware+connector"], summary["round_robin+local_only"]
+    out = {
+        "bench": "cluster",
+        "model": args.model,
+        "workers": args.workers,
+        "requests": sum(len(c) for c in convs),
+        "clients": args.conversations,
+        "max_tokens": args.max_tokens,
+        "kv_blocks_per_worker": per_worker,
+        "ideal_pool_computed_tokens": ideal,
+        "computed_vs_ideal": {
+            n: round(s["computed_tokens"] / max(ideal, 1), 3) for n, s in summary.items()
+        },
+        "throughput_vs_local_only": round(kv["requests_per_s"] / local["requests_per_s"], 2),
+        **summary,
+    }
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    plot(results, Path(args.plot))
+    print(json.dumps(out))
+    ray.shutdown()
+
+
+def _fp32() -> Any:
+    import torch
+
+    return torch.float32
+
+
+if __name__ == "__main__":
+    main()
