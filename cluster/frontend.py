@@ -23,7 +23,7 @@ from kvmesh.cluster.router import Router
 from kvmesh.connector.cluster_connector import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
-from kvmesh.workers.chat import chat_prompt_ids
+from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.outputs import RequestOutput
@@ -77,14 +77,7 @@ class ClusterBackend:
     # -- tokens -------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt: must hold at least one token")
-        return ids
+        return prompt_token_ids(self.tokenizer, prompt, self.info["vocab_size"])
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, KvSource
-from kvmesh.workers.chat import chat_prompt_ids
+from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.worker import Worker
@@ -54,20 +54,8 @@ class LocalBackend:
     # -- tokens -------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """The ids the engine will see for ``prompt`` (same ``encode`` as ``make_request``)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt: must hold at least one token")
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self._vocab_size
-            for t in ids
-        ):
-            raise ValueError(f"prompt: token ids must be integers in [0, {self._vocab_size})")
-        return ids
+        """The ids the engine will see for ``prompt`` (what ``make_request`` computes)."""
+        return prompt_token_ids(self.tokenizer, prompt, self._vocab_size)
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)

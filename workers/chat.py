@@ -1,4 +1,5 @@
-"""Chat messages -> prompt token ids through the model's own chat template."""
+"""Prompts -> token ids: text through the tokenizer, chat messages through the model's own
+chat template, token ids checked against the vocabulary."""
 
 from __future__ import annotations
 
@@ -29,3 +30,20 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[
         add_generation_prompt=True,
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
+    """The ids the engine sees for a completion prompt; ValueError naming ``prompt``."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+        ):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    if not ids:
+        raise ValueError("prompt: must hold at least one token")
+    return ids

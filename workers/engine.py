@@ -16,6 +16,7 @@ import torch
 
 from kvmesh.workers.attention import get_attn_backend
 from kvmesh.workers.block_hash import ModelFingerprint
+from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_cache import KVCache, parse_memory
@@ -140,21 +141,8 @@ class LLMEngine:
     ) -> _Tracked:
         """Validate a request without queuing it (so a batch is all or nothing)."""
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            token_ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        else:
-            token_ids, text = list(prompt), None
-            if not all(
-                isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in token_ids
-            ):
-                raise ValueError(
-                    f"prompt: token ids must be integers in [0, {self.model_config.vocab_size})"
-                )
-        if not token_ids:
-            raise ValueError("prompt: must hold at least one token")
+        token_ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
+        text = prompt if isinstance(prompt, str) else None
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens is longer than the context "

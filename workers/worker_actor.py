@@ -47,6 +47,7 @@ class WorkerActor:
             "num_blocks": eng.kv.num_blocks,
             "block_size": eng.config.block_size,
             "max_model_len": eng.max_model_len,
+            "vocab_size": eng.model_config.vocab_size,
         }
 
     def generate(
