@@ -66,6 +66,20 @@ class Completion:
     finish_reason: str
     kv: KvSource
 
+    @classmethod
+    def of(
+        cls, request_id: str, worker: str, out: RequestOutput, prefill_worker: str | None = None
+    ) -> Completion:
+        """A finished engine output, served by ``worker`` (after ``prefill_worker``)."""
+        return cls(
+            request_id=request_id,
+            text=out.text,
+            token_ids=list(out.token_ids),
+            prompt_token_ids=list(out.prompt_token_ids),
+            finish_reason=out.finish_reason or "stop",
+            kv=KvSource.of(worker, out, prefill_worker),
+        )
+
     @property
     def cached_tokens(self) -> int:
         """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: local hits + pulled."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, KvSource
+from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.router import Router
 from kvmesh.connector.cluster_connector import ClusterConnectorConfig
@@ -155,8 +155,8 @@ class ClusterBackend:
                     )
                     if delta.output is not None:
                         self._observe(worker, delta.output, queue)
-                        chunk.completion = self._completion(
-                            request, worker, delta.output, prefill_worker
+                        chunk.completion = Completion.of(
+                            request.request_id, worker, delta.output, prefill_worker
                         )
                     yield chunk
                 if self.index is not None:  # publish its blocks now, for the next request
@@ -193,18 +193,6 @@ class ClusterBackend:
             return None
         finally:
             self.loads[worker] -= 1
-
-    def _completion(
-        self, request: GenerateRequest, worker: str, out: RequestOutput, prefill: str | None
-    ) -> Completion:
-        return Completion(
-            request_id=request.request_id,
-            text=out.text,
-            token_ids=list(out.token_ids),
-            prompt_token_ids=list(out.prompt_token_ids),
-            finish_reason=out.finish_reason or "stop",
-            kv=KvSource.of(worker, out, prefill),
-        )
 
     # -- observability ------------------------------------------------------------------------
 

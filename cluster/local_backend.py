@@ -17,10 +17,10 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, KvSource
+from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids
 from kvmesh.workers.engine_config import EngineConfig
-from kvmesh.workers.outputs import RequestOutput, StreamDelta
+from kvmesh.workers.outputs import StreamDelta
 from kvmesh.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -128,18 +128,8 @@ class LocalBackend:
     def _chunk(self, request: GenerateRequest, delta: StreamDelta) -> Chunk:
         chunk = Chunk(request.request_id, delta.text, list(delta.token_ids), delta.finish_reason)
         if delta.output is not None:
-            chunk.completion = self._completion(request, delta.output)
+            chunk.completion = Completion.of(request.request_id, self.name, delta.output)
         return chunk
-
-    def _completion(self, request: GenerateRequest, out: RequestOutput) -> Completion:
-        return Completion(
-            request_id=request.request_id,
-            text=out.text,
-            token_ids=list(out.token_ids),
-            prompt_token_ids=list(out.prompt_token_ids),
-            finish_reason=out.finish_reason or "stop",
-            kv=KvSource.of(self.name, out),
-        )
 
     # -- observability ------------------------------------------------------------------------
 
