@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -30,7 +29,6 @@ from kvmesh.workers.outputs import RequestOutput
 from kvmesh.workers.worker_actor import worker_actor_class
 
 logger = logging.getLogger(__name__)
-_ids = itertools.count()
 
 
 class ClusterBackend:
