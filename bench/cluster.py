@@ -1,13 +1,14 @@
 """The cluster under a multi-turn chat load: kv_aware + connector against the baselines.
 
-4 workers; 8 conversations of 8 turns that share a system prompt, 8 concurrent clients (one
-conversation each), 64 requests through the Python handle. In one run, three setups side by
-side: kv_aware + connector, round_robin + connector, round_robin without connector (local
-prefix caching only). Also replays the same prompts through one ideal block pool of the same
-total size (bookkeeping only) to count the prompt tokens it would have to compute. Prints one
-JSON line and plots the TTFT CDFs to docs/cluster_ttft_cdf.png.
+4 workers (160 MiB of KV each); 8 conversations of 8 turns that share a system prompt, 8
+concurrent clients (one conversation each), 64 requests through the Python handle. In one
+run, three setups side by side: kv_aware + connector, round_robin + connector, round_robin
+without connector (local prefix caching only). Also replays the same prompts, in the order
+they arrived, through one ideal block pool of the same total size (bookkeeping only) to count
+the prompt tokens it would have to compute. Prints one JSON line and plots the TTFT CDFs to
+docs/cluster_ttft_cdf.png; ``--dump`` keeps every request for bench/cluster_replay.py.
 
-    .venv/bin/python bench/cluster.py [--model smollm2-135m]
+    .venv/bin/python bench/cluster.py [--model smollm2-135m] [--kv-cache-memory 160MiB]
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from pool_replay import replay_computed
 from ray import serve
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import deploy
 from kvmesh.workers.kv_cache import KVCache, parse_memory
-from kvmesh.workers.kv_cache_manager import KVCacheManager
 from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.model_config import ModelConfig
-from kvmesh.workers.request import Request
 
 SETUPS = {
     "kv_aware+connector": {"router": "kv_aware", "connector": True},
@@ -65,10 +65,12 @@ def conversation_turns(seed: int, turns: int) -> list[str]:
     return out
 
 
-async def client(handle: Any, system: str, turns: list[str], max_tokens: int) -> list[dict]:
+async def client(
+    handle: Any, system: str, turns: list[str], max_tokens: int, t0: float, conv: int
+) -> list[dict]:
     messages = [{"role": "system", "content": system}]
     results = []
-    for question in turns:
+    for turn, question in enumerate(turns):
         messages.append({"role": "user", "content": question})
         start = time.perf_counter()
         out = await handle.generate.remote(
@@ -79,16 +81,27 @@ async def client(handle: Any, system: str, turns: list[str], max_tokens: int) ->
                 "ignore_eos": True,
             }
         )
-        results.append({**out, "wall_s": time.perf_counter() - start, "messages": list(messages)})
+        results.append(
+            {
+                **out,
+                "wall_s": time.perf_counter() - start,
+                "sent_s": start - t0,
+                "conversation": conv,
+                "turn": turn,
+                "messages": list(messages),
+            }
+        )
         messages.append({"role": "assistant", "content": out["text"]})
     return results
 
 
 async def run_setup(handle: Any, system: str, convs: list[list[str]], max_tokens: int) -> dict:
     start = time.perf_counter()
-    per_client = await asyncio.gather(*(client(handle, system, c, max_tokens) for c in convs))
+    per_client = await asyncio.gather(
+        *(client(handle, system, c, max_tokens, start, i) for i, c in enumerate(convs))
+    )
     wall = time.perf_counter() - start
-    outs = [o for c in per_client for o in c]
+    outs = sorted((o for c in per_client for o in c), key=lambda o: o["sent_s"])
     ttfts = sorted(o["kvmesh"]["ttft_ms"] / 1000 for o in outs)
     prompt = sum(o["usage"]["prompt_tokens"] for o in outs)
     return {
@@ -107,28 +120,6 @@ async def run_setup(handle: Any, system: str, convs: list[list[str]], max_tokens
             "share_computed": round(sum(o["kvmesh"]["computed_tokens"] for o in outs) / prompt, 3),
         },
     }
-
-
-def ideal_pool_computed(
-    requests: list[tuple[list[int], list[int]]], num_blocks: int, block_size: int
-) -> int:
-    """Prompt tokens one pool of ``num_blocks`` would compute for the same requests, served
-    one after another; like the workers, it caches the generated tokens' blocks too."""
-    kv = KVCacheManager(num_blocks, block_size)
-    computed = 0
-    for i, (ids, output) in enumerate(requests):
-        req = Request(f"r{i}", ids, block_size, b"ideal")
-        hit = kv.get_computed_blocks(req)
-        alloc = kv.allocate_slots(req, req.num_tokens - len(hit.local_blocks) * block_size, hit)
-        assert alloc is not None
-        computed += req.num_tokens - alloc.num_computed_tokens
-        kv.cache_blocks(req, req.num_tokens)
-        for token in output[:-1]:  # the last token is sampled, never fed back
-            req.append_output_token(token)
-            assert kv.allocate_slots(req, 1) is not None
-            kv.cache_blocks(req, req.num_tokens)
-        kv.free(req)
-    return computed
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -160,8 +151,14 @@ def main() -> None:
     # Short answers: the benchmark is about prompt KV reuse, and on a CPU decoding long
     # answers would drown the prompt work it measures.
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--kv-cache-memory", default="128MiB")
+    # 160 MiB = 227 blocks per worker: the live conversations fit the cluster, so what is
+    # measured is computing each prompt block once; at 128 MiB (182 blocks) two late
+    # conversations no longer fit one worker and no placement avoids recomputes
+    # (bench/cluster_replay.py).
+    ap.add_argument("--kv-cache-memory", default="160MiB")
     ap.add_argument("--plot", default="docs/cluster_ttft_cdf.png")
+    ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset")
+    ap.add_argument("--dump", help="write every request's record (JSON lines) here")
     args = ap.parse_args()
 
     system = (
@@ -172,7 +169,8 @@ def main() -> None:
     convs = [conversation_turns(i, args.turns) for i in range(args.conversations)]
     ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
     results: dict[str, dict] = {}
-    for name, setup in SETUPS.items():
+    for name in args.setups.split(","):
+        setup = SETUPS[name]
         config = ServeConfig(
             model=args.model,
             workers=args.workers,
@@ -184,7 +182,7 @@ def main() -> None:
         results[name] = asyncio.run(run_setup(handle, system, convs, args.max_tokens))
         serve.shutdown()
 
-    # The ideal pool sees the same prompts, in the order the first setup served them.
+    # The ideal pool sees the same prompts, in the order the first setup received them.
     tok = load_tokenizer(args.model)
     from kvmesh.workers.chat import chat_prompt_ids
     from kvmesh.workers.loader import load_weights
@@ -193,12 +191,12 @@ def main() -> None:
     per_worker = KVCache.num_blocks_for_memory(mc, 16, _fp32(), parse_memory(args.kv_cache_memory))
     served = [
         (chat_prompt_ids(tok, o["messages"]), o["token_ids"])
-        for o in results["kv_aware+connector"]["outs"]
+        for o in next(iter(results.values()))["outs"]
     ]
-    ideal = ideal_pool_computed(served, per_worker * args.workers, 16)
+    ideal = replay_computed(served, per_worker * args.workers, 16)
 
     summary = {name: r["summary"] for name, r in results.items()}
-    kv, local = summary["kv_aware+connector"], summary["round_robin+local_only"]
+    kv, local = summary.get("kv_aware+connector"), summary.get("round_robin+local_only")
     out = {
         "bench": "cluster",
         "model": args.model,
@@ -211,9 +209,16 @@ def main() -> None:
         "computed_vs_ideal": {
             n: round(s["computed_tokens"] / max(ideal, 1), 3) for n, s in summary.items()
         },
-        "throughput_vs_local_only": round(kv["requests_per_s"] / local["requests_per_s"], 2),
+        "throughput_vs_local_only": (
+            round(kv["requests_per_s"] / local["requests_per_s"], 2) if kv and local else None
+        ),
         **summary,
     }
+    if args.dump:
+        with open(args.dump, "w") as f:
+            for name, r in results.items():
+                for o in r["outs"]:
+                    f.write(json.dumps({"setup": name, **o}) + "\n")
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(results, Path(args.plot))
     print(json.dumps(out))

@@ -18,7 +18,7 @@ import ray
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.router import Router
+from kvmesh.cluster.router import Router, WorkerView
 from kvmesh.connector.cluster_connector import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
@@ -29,6 +29,26 @@ from kvmesh.workers.outputs import RequestOutput
 from kvmesh.workers.worker_actor import worker_actor_class
 
 logger = logging.getLogger(__name__)
+
+# Longest a request waits for a peer's in-flight prefix before it is sent anyway.
+PENDING_WAIT_S = 120.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Inflight:
+    """A prompt routed to a worker that has not produced its first token yet."""
+
+    chain: list[bytes]
+    tokens: int  # prompt tokens the router expects the worker to compute
+    queue: int  # requests on the worker when routed (for the cost model)
+    backlog: int  # prompt tokens routed to the worker before this one and not computed yet
+    submitted: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # blocks published
+    waiters: int = 0
+
+    def done(self) -> None:
+        self.submitted.set()
+        self.ready.set()
 
 
 class ClusterBackend:
@@ -68,7 +88,7 @@ class ClusterBackend:
         self.index = get_index_actor(self.info["fingerprint"]) if config.connector else None
         self.router = Router(config.router, config.block_size, config.connector)
         self.loads: dict[str, int] = dict.fromkeys(self.workers, 0)
-        self.inflight: dict[str, list[list[bytes]]] = {w: [] for w in self.workers}
+        self.inflight: dict[str, list[_Inflight]] = {w: [] for w in self.workers}
         self._route_lock = asyncio.Lock()
         self.dead: set[str] = set()
 
@@ -88,25 +108,83 @@ class ClusterBackend:
 
     # -- routing ------------------------------------------------------------------------------
 
-    async def _choose(self, role: str, ids: list[int]) -> str:
-        candidates = [w for w in self.roles[role] if w not in self.dead]
+    async def _views(self, chain: list[bytes]) -> dict[str, WorkerView]:
         depths: dict[str, int] = {}
-        pending: dict[str, int] = {}
-        if self.router.needs_lookup:
-            hashes = block_hashes(ids, self.config.block_size, self.namespace)
-            if self.index is not None:
-                try:
-                    depths = dict(await self.index.lookup.remote(hashes))
-                except Exception as e:  # the index is a hint: route without it
-                    logger.warning("index lookup failed: %s", e)
-            # Prompts still prefilling: a request that shares their prefix goes to the same
-            # worker and hits it a step later, instead of computing it again elsewhere.
-            for w, chains in self.inflight.items():
-                for chain in chains:
-                    pending[w] = max(pending.get(w, 0), _common_prefix(chain, hashes))
-        return self.router.choose(candidates, self.loads, len(ids), depths, pending).worker
+        if self.index is not None:
+            try:
+                depths = dict(await self.index.lookup.remote(chain))
+            except Exception as e:  # the index is a hint: route without it
+                logger.warning("index lookup failed: %s", e)
+        views = {}
+        for w, entries in self.inflight.items():
+            backlog = pending = wait = 0
+            for e in entries:  # in routing order: a worker computes its prompts FIFO
+                backlog += e.tokens
+                depth = _common_prefix(e.chain, chain)
+                if depth > pending:
+                    pending, wait = depth, backlog
+            views[w] = WorkerView(self.loads[w], backlog, depths.get(w, 0), pending, wait)
+        return views
 
-    def _observe(self, worker: str, out: RequestOutput, queue: int) -> None:
+    def _deepest(self, worker: str, chain: list[bytes]) -> _Inflight | None:
+        best, depth = None, 0
+        for e in self.inflight[worker]:
+            d = _common_prefix(e.chain, chain)
+            if d > depth:
+                best, depth = e, d
+        return best
+
+    async def _route(self, role: str, ids: list[int]) -> tuple[str, _Inflight]:
+        """Choose a worker and record the prompt as in flight there (one step, under a lock:
+        concurrent requests must see each other's choices, or a burst all lands the same
+        way), then wait until what the choice relies on is there. The caller must call
+        ``_finish_route`` once the worker has computed the prompt (or failed)."""
+        candidates = [w for w in self.roles[role] if w not in self.dead]
+        chain = block_hashes(ids, self.config.block_size, self.namespace)
+        async with self._route_lock:
+            views = (
+                await self._views(chain)
+                if self.router.needs_lookup
+                else {w: WorkerView(queue=q) for w, q in self.loads.items()}
+            )
+            choice = self.router.choose(candidates, views, len(ids))
+            worker = choice.worker
+            # Prompts that share this prefix and were routed to the same worker first go
+            # first: its scheduler then makes this one wait a step and hit their blocks.
+            ahead = self._deepest(worker, chain)
+            peer = self._deepest(choice.wait_for, chain) if choice.wait_for else None
+            backlog = sum(e.tokens for e in self.inflight[worker])
+            entry = _Inflight(chain, choice.compute_tokens, self.loads[worker], backlog)
+            self.loads[worker] += 1
+            self.inflight[worker].append(entry)
+        try:
+            if peer is not None:
+                peer.waiters += 1
+                await asyncio.wait_for(peer.ready.wait(), PENDING_WAIT_S)
+            if ahead is not None:
+                await asyncio.wait_for(ahead.submitted.wait(), PENDING_WAIT_S)
+        except TimeoutError:
+            logger.warning("waited %.0f s for an in-flight prefix; sending anyway", PENDING_WAIT_S)
+        except BaseException:  # cancelled while waiting: the request never reached a worker
+            self.loads[worker] -= 1
+            await self._finish_route(worker, entry)
+            raise
+        entry.submitted.set()
+        return worker, entry
+
+    async def _finish_route(self, worker: str, entry: _Inflight) -> None:
+        """The worker computed the prompt (or gave up): publish its blocks for waiters."""
+        try:
+            if entry in self.inflight[worker]:
+                self.inflight[worker].remove(entry)
+                if entry.waiters and self.index is not None and worker not in self.dead:
+                    await self.workers[worker].connector_call.remote("flush")
+        except Exception as e:  # the waiters then compute what they cannot pull
+            logger.warning("flush on %s failed: %s", worker, e)
+        finally:
+            entry.done()
+
+    def _observe(self, out: RequestOutput, queue: int, backlog: int) -> None:
         m = out.metrics
         if m.ttft_s is not None:
             self.router.cost.observe(
@@ -114,6 +192,7 @@ class ClusterBackend:
                 m.num_computed_tokens,
                 m.num_pulled_tokens // self.config.block_size,
                 queue,
+                backlog_tokens=backlog,
             )
 
     # -- requests -----------------------------------------------------------------------------
@@ -132,27 +211,20 @@ class ClusterBackend:
             prefill_worker = await self._prefill(ids, request)
         role = "decode" if self.config.disaggregated else "worker"
         for attempt in range(2):  # a worker that dies before its first token: try another
-            chain = block_hashes(ids, self.config.block_size, self.namespace)
-            # Choose and record as one step: concurrent requests must see each other's
-            # choice (queue length, in-flight prefix), or a burst all lands the same way.
-            async with self._route_lock:
-                worker = await self._choose(role, ids)
-                queue = self.loads[worker]
-                self.loads[worker] += 1
-                self.inflight[worker].append(chain)
+            worker, entry = await self._route(role, ids)
             started = False
             try:
                 gen = self.workers[worker].generate_stream.remote(ids, request.params)
                 async for ref in gen:
                     delta = await ref
                     if not started:
-                        self.inflight[worker].remove(chain)
+                        await self._finish_route(worker, entry)
                     started = True
                     chunk = Chunk(
                         request.request_id, delta.text, delta.token_ids, delta.finish_reason
                     )
                     if delta.output is not None:
-                        self._observe(worker, delta.output, queue)
+                        self._observe(delta.output, entry.queue, entry.backlog)
                         chunk.completion = Completion.of(
                             request.request_id, worker, delta.output, prefill_worker
                         )
@@ -167,19 +239,17 @@ class ClusterBackend:
                 logger.warning("%s died before answering; retrying on another worker", worker)
             finally:
                 self.loads[worker] -= 1
-                if not started:
-                    self.inflight[worker].remove(chain)
+                await self._finish_route(worker, entry)
 
     async def _prefill(self, ids: list[int], request: GenerateRequest) -> str | None:
         """Compute the prompt's blocks on a prefill worker and publish them; None on failure
         (the decode worker then computes the prompt itself)."""
         try:
-            worker = await self._choose("prefill", ids)
+            worker, entry = await self._route("prefill", ids)
         except RuntimeError:
             return None
         handle = self.workers[worker]
         params = dataclasses.replace(request.params, max_tokens=1, stop=(), logprobs=None)
-        self.loads[worker] += 1
         try:
             await handle.generate.remote(ids, params)
             await handle.connector_call.remote("flush")  # the index must see the blocks
@@ -191,6 +261,7 @@ class ClusterBackend:
             return None
         finally:
             self.loads[worker] -= 1
+            await self._finish_route(worker, entry)
 
     # -- observability ------------------------------------------------------------------------
 

@@ -1,13 +1,22 @@
-"""Which worker serves a request: ``kv_aware`` (lowest estimated TTFT), or the baselines.
+"""Which worker serves a request: ``kv_aware`` (lowest estimated cost), or the baselines.
 
 The kv_aware cost model (docs/router.md) for a prompt of ``n`` full blocks on worker ``w``:
 
-    local_w   = blocks w holds (index lookup depth for w)
-    pull_w    = blocks a peer holds beyond local_w (max depth of the others - local_w, >= 0),
-                only with the connector
-    compute_w = n - local_w - pull_w, plus the partial last block
-    ttft_w    = compute_w * block_size * t_token + pull_w * t_pull_block
-                + queue_w * t_queue
+    local_w   = blocks w holds or is computing right now (index depth, in-flight prefixes)
+    pull_w    = blocks a peer holds beyond local_w, or, after waiting for it, a peer is
+                computing (only with the connector)
+    compute_w = n - local_w - pull_w blocks, plus the partial last block
+    ttft_w    = max(wait_w, backlog_w * t_token) + compute_w * block_size * t_token
+                + pull_w * t_pull_block + queue_w * t_queue
+    cost_w    = ttft_w + (duplicate_w + moved_w) * block_size * t_token
+
+``wait_w`` is how long until the peer's in-flight prefix is computed and published;
+``backlog_w`` the prompt tokens already routed to w and not computed yet. The two extra terms
+are what the request costs the rest of the cluster: ``duplicate_w`` blocks computed that a peer
+is computing at the same time, and ``moved_w`` pulled blocks that only one peer holds (a
+conversation's own history, not a shared prompt): moving a conversation strands its history
+on the old worker and grows the new worker's working set, and once pools are full that is
+paid back as a recompute.
 
 ``t_token`` (compute time per prompt token), ``t_pull_block`` (time per pulled block) and
 ``t_queue`` (time a queued request adds) are exponential moving averages of what finished
@@ -17,13 +26,24 @@ requests report: measured while running, never constants (they start from rough 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 PRIOR_T_TOKEN_S = 2e-3
 PRIOR_T_PULL_BLOCK_S = 2e-4
 PRIOR_T_QUEUE_S = 0.05
 EMA = 0.2
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the frontend knows about one worker when it routes one prompt."""
+
+    queue: int = 0  # requests routed there and not finished
+    backlog_tokens: int = 0  # prompt tokens routed there and not computed yet
+    depth: int = 0  # leading blocks of this prompt it holds (from the index)
+    pending: int = 0  # leading blocks of this prompt it is computing now
+    pending_wait_tokens: int = 0  # its backlog up to and including that computation
 
 
 @dataclass
@@ -40,27 +60,24 @@ class CostModel:
         pulled_blocks: int,
         queue_len: int,
         pull_s: float | None = None,
+        backlog_tokens: int = 0,
     ) -> None:
-        """Fold one finished request's TTFT into the estimates."""
+        """Fold one finished request's TTFT (as its worker measured it) into the estimates.
+        ``queue_len`` / ``backlog_tokens``: what was ahead of it on its worker when routed."""
         queue_part = queue_len * self.t_queue_s
         if pulled_blocks and pull_s is not None:
             self.t_pull_block_s = _ema(self.t_pull_block_s, pull_s / pulled_blocks)
             self.samples["pull"] += 1
+        pull_part = pulled_blocks * self.t_pull_block_s
         if computed_tokens:
-            pull_part = pulled_blocks * self.t_pull_block_s
-            per_token = max(ttft_s - pull_part - queue_part, 0.0) / computed_tokens
+            tokens = computed_tokens + backlog_tokens
+            per_token = max(ttft_s - pull_part - queue_part, 0.0) / tokens
             self.t_token_s = _ema(self.t_token_s, per_token)
             self.samples["token"] += 1
         if queue_len:
-            own = computed_tokens * self.t_token_s + pulled_blocks * self.t_pull_block_s
+            own = (computed_tokens + backlog_tokens) * self.t_token_s + pull_part
             self.t_queue_s = _ema(self.t_queue_s, max(ttft_s - own, 0.0) / queue_len)
             self.samples["queue"] += 1
-
-    def estimate(
-        self, num_blocks: int, block_size: int, local: int, pull: int, queue: int, partial: int
-    ) -> float:
-        compute_tokens = (num_blocks - local - pull) * block_size + partial
-        return compute_tokens * self.t_token_s + pull * self.t_pull_block_s + queue * self.t_queue_s
 
 
 def _ema(old: float, new: float) -> float:
@@ -73,6 +90,18 @@ class Choice:
     estimated_ttft_s: float | None = None
     local_blocks: int = 0
     pull_blocks: int = 0
+    compute_tokens: int = 0  # prompt tokens the worker is expected to compute
+    wait_for: str | None = None  # send only once this peer's in-flight prefix is published
+
+
+@dataclass(frozen=True)
+class _Option:
+    cost: float
+    ttft: float
+    local: int
+    pull: int
+    compute_tokens: int
+    wait_for: str | None
 
 
 class Router:
@@ -92,34 +121,78 @@ class Router:
     def choose(
         self,
         candidates: Sequence[str],
-        loads: dict[str, int],
+        views: Mapping[str, WorkerView],
         num_prompt_tokens: int = 0,
-        depths: dict[str, int] | None = None,
-        pending: dict[str, int] | None = None,
     ) -> Choice:
-        """Pick one of ``candidates`` (non-empty). ``loads``: running + waiting per worker;
-        ``depths``: the index's prefix depth per worker; ``pending``: the prefix depth of
-        prompts a worker is computing right now (kv_aware only). Pending blocks count as
-        local to their worker (its scheduler makes the request wait a step and hit them) but
-        not as pullable: nobody holds them yet."""
+        """Pick one of ``candidates`` (non-empty). ``views`` may leave out workers it knows
+        nothing about. Blocks a worker is computing count as local to it (its scheduler makes
+        a request that shares them wait a step and hit), and as pullable by the others only
+        after they wait for them to be published."""
         if not candidates:
             raise RuntimeError("no worker is available")
         if self.policy == "round_robin":
             return Choice(candidates[next(self._rr) % len(candidates)])
+        empty = WorkerView()
         if self.policy == "least_loaded":
-            return Choice(min(candidates, key=lambda w: (loads.get(w, 0), w)))
-        depths, pending = depths or {}, pending or {}
+            return Choice(min(candidates, key=lambda w: (views.get(w, empty).queue, w)))
         # The last token is always computed, so only (n - 1) // block_size blocks can hit.
-        num_blocks = max(num_prompt_tokens - 1, 0) // self.block_size
-        partial = num_prompt_tokens - num_blocks * self.block_size
-        best = max(depths.values(), default=0)
-        options = []
+        n = max(num_prompt_tokens - 1, 0) // self.block_size
+        partial = num_prompt_tokens - n * self.block_size
+        best: tuple[tuple[float, int, str], str, _Option] | None = None
         for w in candidates:
-            local = min(max(depths.get(w, 0), pending.get(w, 0)), num_blocks)
-            pull = max(min(best, num_blocks) - local, 0) if self.connector else 0
-            ttft = self.cost.estimate(
-                num_blocks, self.block_size, local, pull, loads.get(w, 0), partial
-            )
-            options.append((ttft, loads.get(w, 0), w, local, pull))
-        ttft, _, w, local, pull = min(options)
-        return Choice(w, ttft, local, pull)
+            v = views.get(w, empty)
+            for opt in self._options(w, v, views, n, partial):
+                key = (opt.cost, v.queue, w)
+                if best is None or key < best[0]:
+                    best = (key, w, opt)
+        assert best is not None
+        _, w, opt = best
+        return Choice(w, opt.ttft, opt.local, opt.pull, opt.compute_tokens, opt.wait_for)
+
+    def _options(
+        self,
+        w: str,
+        v: WorkerView,
+        views: Mapping[str, WorkerView],
+        n: int,
+        partial: int,
+    ) -> list[_Option]:
+        """Serve now (pulling what peers hold), or wait for a peer's in-flight prefix."""
+        local = min(max(v.depth, v.pending), n)
+        # Peers' depths, deepest first: beyond the second deepest, one peer alone holds them.
+        held = sorted((min(p.depth, n) for name, p in views.items() if name != w), reverse=True)
+        held += [0, 0]
+        peers = [(min(p.pending, n), -p.pending_wait_tokens, name) for name, p in views.items()]
+        peers = [p for p in peers if p[2] != w]
+        computing, neg_wait, peer = max(peers, default=(0, 0, None))
+        options = []
+        reach = max(local, held[0]) if self.connector else local
+        duplicate = max(computing - reach, 0) if self.connector else 0
+        moved = max(reach - max(local, held[1]), 0)
+        options.append(self._option(v, n, partial, local, reach, duplicate + moved, 0.0, None))
+        if self.connector and computing > reach:
+            wait = -neg_wait * self.cost.t_token_s
+            options.append(self._option(v, n, partial, local, computing, moved, wait, peer))
+        return options
+
+    def _option(
+        self,
+        v: WorkerView,
+        n: int,
+        partial: int,
+        local: int,
+        reach: int,
+        extra: int,
+        wait_s: float,
+        wait_for: str | None,
+    ) -> _Option:
+        c, bs = self.cost, self.block_size
+        pull = reach - local
+        compute_tokens = (n - reach) * bs + partial
+        ttft = (
+            max(wait_s, v.backlog_tokens * c.t_token_s)
+            + compute_tokens * c.t_token_s
+            + pull * c.t_pull_block_s
+            + v.queue * c.t_queue_s
+        )
+        return _Option(ttft + extra * bs * c.t_token_s, ttft, local, pull, compute_tokens, wait_for)

@@ -2,39 +2,98 @@
 
 import pytest
 
-from kvmesh.cluster.router import CostModel, Router
+from kvmesh.cluster.router import CostModel, Router, WorkerView
+
+BS = 16
+
+
+def queues(**q: int) -> dict[str, WorkerView]:
+    return {w: WorkerView(queue=n) for w, n in q.items()}
 
 
 def test_baselines() -> None:
-    rr = Router("round_robin", 16)
+    rr = Router("round_robin", BS)
     assert [rr.choose(["a", "b", "c"], {}).worker for _ in range(4)] == ["a", "b", "c", "a"]
-    ll = Router("least_loaded", 16)
-    assert ll.choose(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}).worker == "b"
+    ll = Router("least_loaded", BS)
+    assert ll.choose(["a", "b", "c"], queues(a=3, b=1, c=2)).worker == "b"
     with pytest.raises(ValueError, match="policy"):
-        Router("random", 16)
+        Router("random", BS)
     with pytest.raises(RuntimeError, match="no worker"):
         rr.choose([], {})
 
 
 def test_kv_aware_prefers_the_holder_until_its_queue_costs_more() -> None:
-    r = Router("kv_aware", 16)
-    tokens = 64 * 16 + 5
-    assert r.choose(["a", "b"], {}, tokens, {"b": 64}).worker == "b"
+    r = Router("kv_aware", BS)
+    tokens = 64 * BS + 5
+    assert r.choose(["a", "b"], {"b": WorkerView(depth=64)}, tokens).worker == "b"
     # b holds everything, a can pull it: with b busy enough, pulling on a wins.
-    c = r.choose(["a", "b"], {"b": 50}, tokens, {"b": 64})
-    assert c.worker == "a" and c.pull_blocks == 64
+    c = r.choose(["a", "b"], {"b": WorkerView(queue=50, depth=64)}, tokens)
+    assert c.worker == "a" and c.pull_blocks == 64 and c.compute_tokens == 5
     # Without the connector nothing can be pulled: computing on a costs the whole prompt.
-    local_only = Router("kv_aware", 16, connector=False)
-    assert local_only.choose(["a", "b"], {"b": 5}, tokens, {"b": 64}).worker == "b"
+    local_only = Router("kv_aware", BS, connector=False)
+    c = local_only.choose(["a", "b"], {"b": WorkerView(queue=5, depth=64)}, tokens)
+    assert c.worker == "b" and c.pull_blocks == 0
 
 
-def test_pending_prefix_is_local_but_not_pullable() -> None:
-    r = Router("kv_aware", 16)
-    tokens = 40 * 16 + 3
-    c = r.choose(["a", "b"], {"a": 1}, tokens, depths={}, pending={"a": 40})
-    assert c.worker == "a" and c.local_blocks == 40 and c.pull_blocks == 0
-    other = r.choose(["b"], {}, tokens, depths={}, pending={"a": 40})
-    assert other.pull_blocks == 0  # a only computes them: nothing to pull yet
+def test_moving_a_conversation_costs_its_history_but_a_shared_prompt_moves_freely() -> None:
+    """Blocks only one peer holds (a conversation's own history) cost their recompute when
+    pulled elsewhere: the conversation stays home unless home is much busier. Blocks two
+    peers hold (a shared prompt) are pulled at their transfer cost only."""
+    r = Router("kv_aware", BS)
+    tokens = 60 * BS + 5
+    system = WorkerView(depth=34)
+    views = {"a": WorkerView(queue=2, depth=60), "b": system, "c": system}
+    assert r.choose(["a", "b", "c"], views, tokens).worker == "a"
+    views["a"] = WorkerView(queue=50, depth=60)
+    c = r.choose(["a", "b", "c"], views, tokens)
+    assert c.worker in ("b", "c") and c.pull_blocks == 26
+    shared = {"a": WorkerView(queue=2, depth=60), "b": WorkerView(), "c": WorkerView(depth=60)}
+    c = r.choose(["a", "b"], shared, tokens)
+    assert c.worker == "b" and c.pull_blocks == 60
+
+
+def test_pending_prefix_is_local_to_its_worker_and_pullable_after_a_wait() -> None:
+    r = Router("kv_aware", BS)
+    tokens = 40 * BS + 3
+    c = r.choose(
+        ["a", "b"], {"a": WorkerView(queue=1, pending=40, pending_wait_tokens=640)}, tokens
+    )
+    assert c.worker == "a" and c.local_blocks == 40 and c.pull_blocks == 0 and c.wait_for is None
+    # Only b: waiting for a to publish, then pulling, beats computing the same blocks again.
+    other = r.choose(["b"], {"a": WorkerView(pending=40, pending_wait_tokens=640)}, tokens)
+    assert other.wait_for == "a" and other.pull_blocks == 40 and other.compute_tokens == 3
+    # Without the connector b can only compute.
+    local_only = Router("kv_aware", BS, connector=False)
+    c = local_only.choose(["b"], {"a": WorkerView(pending=40, pending_wait_tokens=640)}, tokens)
+    assert c.wait_for is None and c.compute_tokens == tokens
+
+
+def test_a_burst_sharing_a_prefix_spreads_and_computes_it_once() -> None:
+    """Eight prompts with a shared 35-block prefix arrive at once on four idle workers (what
+    the frontend sees as it records each choice): the prefix is computed by one worker, the
+    others wait for it and pull, and no worker gets more than a fair share."""
+    r = Router("kv_aware", BS)
+    shared, own = 35, 6
+    tokens = (shared + own) * BS + 5
+    workers = ["w0", "w1", "w2", "w3"]
+    inflight: dict[str, list[tuple[int, int]]] = {w: [] for w in workers}  # (shared?, tokens)
+    computing_shared = []
+    for _ in range(8):
+        views = {}
+        for w in workers:
+            backlog = pending = wait = 0
+            for depth, t in inflight[w]:
+                backlog += t
+                if depth > pending:
+                    pending, wait = depth, backlog
+            views[w] = WorkerView(len(inflight[w]), backlog, 0, pending, wait)
+        c = r.choose(workers, views, tokens)
+        if c.compute_tokens > own * BS + 5:
+            computing_shared.append(c.worker)
+        inflight[c.worker].append((shared, c.compute_tokens))
+    assert len(computing_shared) == 1
+    assert max(len(v) for v in inflight.values()) <= 3
+    assert sum(1 for v in inflight.values() if v) >= 3
 
 
 def test_cost_model_learns_from_observations() -> None:
@@ -45,4 +104,10 @@ def test_cost_model_learns_from_observations() -> None:
     for _ in range(50):
         cost.observe(ttft_s=0.02, computed_tokens=0, pulled_blocks=100, queue_len=0, pull_s=0.01)
     assert cost.t_pull_block_s == pytest.approx(1e-4, rel=1e-3)
-    assert cost.samples["token"] == 50 and cost.samples["pull"] == 50
+    # Waiting behind 1000 prompt tokens already routed there is not this request's own cost.
+    for _ in range(50):
+        cost.observe(
+            ttft_s=2.0, computed_tokens=1000, pulled_blocks=0, queue_len=0, backlog_tokens=1000
+        )
+    assert cost.t_token_s == pytest.approx(1e-3, rel=1e-3)
+    assert cost.samples["token"] == 100 and cost.samples["pull"] == 50

@@ -133,9 +133,10 @@ class TorchAttentionBackend(AttentionBackend):
     through one batched SDPA call over K/V gathered block-wise to [Bd, S', Hkv, D]
     (S' = max blocks * block_size) with a length mask; each prefill row gets one SDPA call
     (is_causal when it has no cached prefix, else a bottom-right causal mask over its gathered
-    context). GQA: decode folds a KV head's query heads into SDPA's query-length axis (no K/V
-    copy); prefill expands K/V to Hq heads. Index tensors are derived once per step
-    (meta.scratch) and shared by all layers."""
+    context). GQA: decode, and prefill over a cached prefix, fold a KV head's query heads into
+    SDPA's query-length axis (no K/V copy per query head); a prefill without a cached prefix
+    expands its own K/V to Hq heads. Index tensors are derived once per step (meta.scratch)
+    and shared by all layers."""
 
     def forward(
         self,
@@ -150,7 +151,8 @@ class TorchAttentionBackend(AttentionBackend):
         _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = meta.scratch.get("torch_plan")
         if plan is None:
-            plan = _TorchPlan(meta, k_cache.shape[1], k_cache.shape[2], q.dtype)
+            group = q.shape[1] // k_cache.shape[2]
+            plan = _TorchPlan(meta, k_cache.shape[1], k_cache.shape[2], group, q.dtype)
             meta.scratch["torch_plan"] = plan
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
@@ -182,19 +184,28 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, plan.decode_tokens, od.reshape(nd, hq, d))
 
         for start, end, seq_len, blocks, mask in plan.prefills:
-            qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+            lq = end - start
             if blocks is None:  # no cached prefix: the context is exactly this step's k, v
-                kp, vp = k[start:end], v[start:end]  # [Lq, Hkv, D]
-            else:
-                kp = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]  # [S, Hkv, D]
-                vp = v_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]
-            # [S, Hkv, D] -> [1, Hq, S, D]
-            kp = kp.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-            vp = vp.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale
-            )  # [1, Hq, Lq, D]
-            out[start:end] = op[0].transpose(0, 1)
+                qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+                # [Lq, Hkv, D] -> [1, Hq, Lq, D]: a copy, but only as long as the query
+                kp = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+                vp = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+                out[start:end] = op[0].transpose(0, 1)
+                continue
+            # A cached prefix: the context is far longer than the query, so fold each KV
+            # head's G query heads into the query axis (rows g * Lq + i) instead of copying
+            # the gathered K/V once per query head. [Lq, Hq, D] -> [1, Hkv, G * Lq, D]
+            qp = q[start:end].view(lq, hkv, group, d).permute(1, 2, 0, 3)
+            qp = qp.reshape(1, hkv, group * lq, d)
+            # [nb * bs, Hkv, D] -> [1, Hkv, S, D] (a strided view: SDPA reads it in place)
+            kp = k_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]
+            vp = v_cache.index_select(0, blocks).view(-1, hkv, d)[:seq_len]
+            kp = kp.to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vp = vp.to(q.dtype).transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+            # [1, Hkv, G * Lq, D] -> [Lq, Hq, D]
+            out[start:end] = op.view(hkv, group, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
         return out
 
 
@@ -203,7 +214,12 @@ class _TorchPlan:
     one step's metadata."""
 
     def __init__(
-        self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
+        self,
+        meta: AttentionMetadata,
+        block_size: int,
+        num_kv_heads: int,
+        group: int,
+        dtype: torch.dtype,
     ) -> None:
         device = meta.block_tables.device
         starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
@@ -239,8 +255,8 @@ class _TorchPlan:
             lens = meta.seq_lens[rows_t].to(torch.int64)
             valid = torch.arange(width, device=device)[None, :] < lens[:, None]  # [Bd, S']
             self.decode_mask = _additive(valid[:, None, None, :], dtype)  # [Bd, 1, 1, S']
-        # (first token, end token, seq_len, context block ids, [Lq, S] additive mask); the last two
-        # are None for a prefill without cached prefix.
+        # (first token, end token, seq_len, context block ids, [G * Lq, S] additive mask: query
+        # heads folded, row g * Lq + i is query i); the last two are None without a cached prefix.
         self.prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for b, (ql, sl) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             if ql == 1:
@@ -252,7 +268,8 @@ class _TorchPlan:
             # Query i sits at position sl - ql + i and sees keys 0 .. sl - ql + i.
             qpos = torch.arange(sl - ql, sl, device=device)
             mask = torch.arange(sl, device=device)[None, :] <= qpos[:, None]  # [Lq, S]
-            self.prefills.append((starts[b], starts[b + 1], sl, blocks, _additive(mask, dtype)))
+            folded = _additive(mask, dtype).repeat(group, 1)  # [G * Lq, S]
+            self.prefills.append((starts[b], starts[b + 1], sl, blocks, folded))
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
