@@ -144,3 +144,27 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
         assert out2["kvmesh"]["computed_tokens"] == len(ids2)
     finally:
         serve.shutdown()
+
+
+def test_kv_aware_burst_computes_a_shared_prefix_once(reference) -> None:
+    """Six prompts sharing a 200-token prefix arrive together on three workers: the prefix
+    is computed by one worker; the others wait for it and pull it (or hit it locally), and
+    every answer equals a single engine's."""
+    serve.shutdown()
+    handle = deploy(tiny_config(workers=3, router="kv_aware"))
+    try:
+        shared = list(range(100, 300))  # 50 full blocks of 4
+        prompts = [[*shared, 7 + i, 9 + i, 11 + i] for i in range(6)]
+        params = SamplingParams(max_tokens=4, temperature=0)
+        calls = [
+            handle.generate.remote({"prompt": p, "max_tokens": 4, "temperature": 0})
+            for p in prompts
+        ]
+        outs = [c.result() for c in calls]
+        want = reference.generate(prompts, params)
+        assert [o["token_ids"] for o in outs] == [w.token_ids for w in want]
+        computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
+        assert computed == len(shared) + sum(len(p) - len(shared) for p in prompts)
+        assert len({o["kvmesh"]["worker"] for o in outs}) >= 2
+    finally:
+        serve.shutdown()
