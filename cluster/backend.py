@@ -65,6 +65,9 @@ class Completion:
     prompt_token_ids: list[int]
     finish_reason: str
     kv: KvSource
+    # With SamplingParams.logprobs: per generated token, {token id: logprob} of the sampled
+    # token and the top N.
+    logprobs: list[dict[int, float]] | None = None
 
     @classmethod
     def of(
@@ -78,6 +81,7 @@ class Completion:
             prompt_token_ids=list(out.prompt_token_ids),
             finish_reason=out.finish_reason or "stop",
             kv=KvSource.of(worker, out, prefill_worker),
+            logprobs=out.logprobs,
         )
 
     @property
@@ -106,6 +110,9 @@ class Backend(Protocol):
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the chat template applied to ``messages`` plus the assistant turn."""
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text (for logprobs)."""
 
     async def generate(self, request: GenerateRequest) -> Completion: ...
 

@@ -22,7 +22,7 @@ from kvmesh.cluster.router import Router, WorkerView
 from kvmesh.connector.cluster_connector import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
-from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids
+from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids, token_texts
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.outputs import RequestOutput
@@ -99,6 +99,9 @@ class ClusterBackend:
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        return token_texts(self.tokenizer, ids)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:

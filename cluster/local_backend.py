@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
-from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids
+from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids, token_texts
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.outputs import StreamDelta
 from kvmesh.workers.worker import Worker
@@ -59,6 +59,9 @@ class LocalBackend:
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        return token_texts(self.tokenizer, ids)
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ def build_api(
         ids = _chat_ids(backend, messages)
         params = body.sampling_params(len(ids), backend.max_model_len)
         req = GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", params, messages=messages)
-        shape = ResponseShape("chat", req.request_id, model_name)
+        shape = ResponseShape("chat", req.request_id, model_name, body.num_logprobs())
         return await gen.run(request, req, shape, body.stream, body.include_usage)
 
     @v1.post("/completions")
@@ -92,7 +92,7 @@ def build_api(
         ids = valid(lambda: backend.tokenize(prompt))
         params = body.sampling_params(len(ids), backend.max_model_len)
         req = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", params, prompt=prompt)
-        shape = ResponseShape("text", req.request_id, model_name)
+        shape = ResponseShape("text", req.request_id, model_name, body.num_logprobs())
         return await gen.run(request, req, shape, body.stream, body.include_usage)
 
     @v1.get("/models")
@@ -140,7 +140,7 @@ class _Generation:
         if not stream:
             completion = await _until_disconnect(request, self.backend.generate(req))
             self.metrics.observe_completion(completion)
-            return JSONResponse(shape.response(completion))
+            return JSONResponse(shape.response(completion, self.backend.token_texts))
         chunks = self.backend.stream(req)
         # Headers wait for the first chunk: admission errors are still a 4xx, and a client
         # that leaves while its request is queued cancels it.

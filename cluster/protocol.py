@@ -9,6 +9,7 @@ owns them, so the Python API and HTTP give the same messages.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class _GenerateBody(_Body):
     """Fields both endpoints share; ``None`` means "the default"."""
 
     PROMPT_FIELD: ClassVar[str]
+    LOGPROBS_FIELD: ClassVar[str]
 
     model: str | None = None
     max_tokens: int | None = None
@@ -118,8 +120,12 @@ class _GenerateBody(_Body):
         """max_tokens when the client gave none; ``room`` is what the context has left."""
         return min(room, COMPLETION_DEFAULT_MAX_TOKENS)
 
+    def num_logprobs(self) -> int | None:
+        """How many top alternatives to report per token; None for no logprobs."""
+        raise NotImplementedError
+
     def check(self, model_name: str) -> None:
-        """Checks that need no tokens: the model, and n."""
+        """Checks that need no tokens: the model, n, and logprobs with stream."""
         if self.model is not None and self.model != model_name:
             raise ApiError(
                 404,
@@ -129,6 +135,13 @@ class _GenerateBody(_Body):
             )
         if self.n != 1:
             raise ApiError(400, f"n: only n=1 is supported, got {self.n}", param="n")
+        if self.stream and self.num_logprobs() is not None:
+            raise ApiError(
+                400,
+                f"{self.LOGPROBS_FIELD}: logprobs are not supported with stream yet; "
+                "send the request without stream",
+                param=self.LOGPROBS_FIELD,
+            )
 
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """Validated SamplingParams whose prompt + max_tokens fit the context."""
@@ -138,10 +151,12 @@ class _GenerateBody(_Body):
                 kw[name] = getattr(self, name)
         if self.top_k is not None and self.top_k != -1:
             kw["top_k"] = self.top_k
+        kw["logprobs"] = self.num_logprobs()
         asked, field = self.requested_max_tokens, self.max_tokens_field
         # Sampling fields before lengths; a placeholder max_tokens until the length is known.
         first = asked if asked is not None else 1
-        params = valid(lambda: SamplingParams(max_tokens=first, **kw), {"max_tokens": field})
+        rename = {"max_tokens": field, "logprobs": self.LOGPROBS_FIELD}
+        params = valid(lambda: SamplingParams(max_tokens=first, **kw), rename)
         if prompt_len >= max_model_len:
             raise ApiError(
                 400,
@@ -163,8 +178,16 @@ class _GenerateBody(_Body):
 
 class ChatCompletionRequest(_GenerateBody):
     PROMPT_FIELD = "messages"
+    LOGPROBS_FIELD = "top_logprobs"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_tokens_field(self) -> str:
@@ -183,7 +206,12 @@ class ChatCompletionRequest(_GenerateBody):
 
 class CompletionRequest(_GenerateBody):
     PROMPT_FIELD = "prompt"
+    LOGPROBS_FIELD = "logprobs"
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; a batch of one is unwrapped, more is a 400."""
@@ -262,26 +290,68 @@ class ResponseShape:
     """Builds one endpoint's objects: ``chat`` (chat.completion / chat.completion.chunk) or
     ``text`` (text_completion for both)."""
 
-    def __init__(self, kind: Literal["chat", "text"], request_id: str, model: str) -> None:
+    def __init__(
+        self,
+        kind: Literal["chat", "text"],
+        request_id: str,
+        model: str,
+        logprobs: int | None = None,
+    ) -> None:
         self.kind, self.id, self.model = kind, request_id, model
+        self.logprobs = logprobs  # top alternatives per token; None: no logprobs
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, c: Completion) -> dict[str, Any]:
-        """The non-streaming response."""
+    def response(
+        self, c: Completion, token_texts: Callable[[list[int]], list[str]] | None = None
+    ) -> dict[str, Any]:
+        """The non-streaming response; ``token_texts`` names tokens in its logprobs."""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
-        choice |= {"logprobs": None, "finish_reason": c.finish_reason}
+        logprobs = self._logprobs(c, token_texts) if token_texts is not None else None
+        choice |= {"logprobs": logprobs, "finish_reason": c.finish_reason}
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._head(obj) | {
             "choices": [choice],
             "usage": usage(c),
             "kvmesh": c.kv.to_dict(),
+        }
+
+    def _logprobs(
+        self, c: Completion, token_texts: Callable[[list[int]], list[str]]
+    ) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: ``content`` items for chat; ``tokens``,
+        ``token_logprobs``, ``top_logprobs`` and ``text_offset`` for completions."""
+        if self.logprobs is None or c.logprobs is None:
+            return None
+        # (sampled token, its logprob, the top alternatives best first) per generated token
+        rows = [
+            (tok, entry[tok], sorted(entry.items(), key=lambda kv: -kv[1])[: self.logprobs])
+            for tok, entry in zip(c.token_ids, c.logprobs, strict=False)
+        ]
+        ids = sorted({t for entry in c.logprobs for t in entry})
+        text = dict(zip(ids, token_texts(ids), strict=True))
+        if self.kind == "chat":
+
+            def item(t: int, lp: float) -> dict[str, Any]:
+                return {"token": text[t], "logprob": lp, "bytes": list(text[t].encode())}
+
+            content = [
+                item(t, lp) | {"top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in rows
+            ]
+            return {"content": content, "refusal": None}
+        lengths = [len(text[t]) for t, _, _ in rows]
+        return {
+            "tokens": [text[t] for t, _, _ in rows],
+            "token_logprobs": [lp for _, lp, _ in rows],
+            # Two tokens can share a text (a "\ufffd" byte piece): the best one names it.
+            "top_logprobs": [{text[a]: b for a, b in reversed(top)} for _, _, top in rows],
+            "text_offset": list(itertools.accumulate(lengths, initial=0))[:-1],
         }
 
     def chunk(

@@ -24,7 +24,16 @@ from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 APP_NAME = "kvmesh"
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "logprobs",
+)
 _ids = itertools.count()
 
 
@@ -54,6 +63,7 @@ def completion_dict(c: Completion) -> dict[str, Any]:
             "cached_tokens": c.cached_tokens,
         },
         "kvmesh": c.kv.to_dict(),
+        "logprobs": c.logprobs,
     }
 
 

@@ -19,6 +19,7 @@ import uvicorn
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
+from kvmesh.workers.sampling_params import SamplingParams
 
 MODEL = "tiny-random"
 MAX_LEN = 256  # context; the pool (128 blocks of 4) holds two full-length requests
@@ -223,6 +224,11 @@ BAD_INPUT: dict[str, tuple[Any, ...]] = {  # case: ((path, body), param[, status
     "token id out of vocab": (complete(prompt=[1, 10**6]), "prompt"),
     "batch of prompts": (complete(prompt=["a", "b"]), "prompt"),
     "streamed, max_tokens 0": (complete(stream=True, max_tokens=0), "max_tokens"),
+    "top_logprobs without logprobs": (chat(top_logprobs=2), "top_logprobs"),
+    "top_logprobs 21": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    "logprobs a string": (chat(logprobs="yes"), "logprobs"),
+    "completion logprobs -1": (complete(logprobs=-1), "logprobs"),
+    "logprobs with stream": (chat(logprobs=True, stream=True), "top_logprobs"),
 }
 
 
@@ -251,6 +257,39 @@ def test_bad_input_through_the_client(client: openai.OpenAI) -> None:
 def test_unknown_fields_are_ignored(server: tuple[int, Spy]) -> None:
     body = {**OK, "max_tokens": 2, "frequency_penalty": 0, "user": "u1", "tools": None}
     assert call(server[0], "POST", CHAT, body)[0] == 200
+
+
+def test_chat_logprobs_match_the_engine(client: openai.OpenAI, backend: LocalBackend) -> None:
+    """Each generated token's logprob and its top alternatives are the engine's own, named
+    by their text; greedy picks the best of them."""
+    out = client.chat.completions.create(
+        model=MODEL, messages=USER, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 12
+    ids = backend.tokenize_chat(USER)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    want = backend.worker.generate(ids, params)
+    for item, tok, entry in zip(content, want.token_ids, want.logprobs, strict=True):
+        assert item.token == backend.token_texts([tok])[0]
+        assert item.logprob == pytest.approx(entry[tok], abs=1e-5)
+        assert item.bytes == list(item.token.encode())
+        assert len(item.top_logprobs) == 3
+        tops = [t.logprob for t in item.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and max(tops) == pytest.approx(item.logprob)
+        assert all(lp <= 0 for lp in tops)
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="Once upon", logprobs=2, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
+    for lp_i, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(lp_i)
+    plain = client.completions.create(model=MODEL, prompt="Once upon", **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == out.choices[0].text
 
 
 # -- keys, metrics, disconnects, failures ------------------------------------------------------

@@ -96,6 +96,13 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
     assert [t for c in chunks for t in c["token_ids"]] == out["token_ids"]
     assert chunks[-1]["finish_reason"] == out["finish_reason"]
     assert "kvmesh" in chunks[-1]
+    assert out["logprobs"] is None
+    with_lp = handle.generate.remote({**req, "logprobs": 2}).result()
+    assert with_lp["token_ids"] == out["token_ids"]
+    lps = with_lp["logprobs"]
+    assert len(lps) == len(out["token_ids"])
+    for tok, entry in zip(out["token_ids"], lps, strict=True):
+        assert tok in entry and 2 <= len(entry) <= 3
 
 
 @pytest.mark.parametrize(

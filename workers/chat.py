@@ -32,6 +32,12 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token decoded on its own, as OpenAI's logprobs show tokens. Special tokens are
+    skipped ("") as in the generated text, so the sampled tokens' texts add up to it."""
+    return [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+
+
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
     """The ids the engine sees for a completion prompt; ValueError naming ``prompt``."""
     if isinstance(prompt, str):
