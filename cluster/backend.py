@@ -99,6 +99,7 @@ class Chunk:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     completion: Completion | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token of token_ids, when asked for
 
 
 class Backend(Protocol):

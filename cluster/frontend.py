@@ -224,7 +224,11 @@ class ClusterBackend:
                         await self._finish_route(worker, entry)
                     started = True
                     chunk = Chunk(
-                        request.request_id, delta.text, delta.token_ids, delta.finish_reason
+                        request.request_id,
+                        delta.text,
+                        delta.token_ids,
+                        delta.finish_reason,
+                        logprobs=delta.logprobs,
                     )
                     if delta.output is not None:
                         self._observe(delta.output, entry.queue, entry.backlog)

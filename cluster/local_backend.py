@@ -129,7 +129,13 @@ class LocalBackend:
             post(_DONE)
 
     def _chunk(self, request: GenerateRequest, delta: StreamDelta) -> Chunk:
-        chunk = Chunk(request.request_id, delta.text, list(delta.token_ids), delta.finish_reason)
+        chunk = Chunk(
+            request.request_id,
+            delta.text,
+            list(delta.token_ids),
+            delta.finish_reason,
+            logprobs=delta.logprobs,
+        )
         if delta.output is not None:
             chunk.completion = Completion.of(request.request_id, self.name, delta.output)
         return chunk

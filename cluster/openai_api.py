@@ -159,14 +159,26 @@ class _Generation:
     ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}  # OpenAI: null until the last
         chunk, last = first, time.perf_counter()
+        # Tokens whose text is held back (a partial character, a possible stop string) send
+        # no chunk: their logprobs ride with the next chunk that has text.
+        lp_ids: list[int] = []
+        lp_entries: list[dict[int, float]] = []
         try:
             if shape.kind == "chat":
                 yield _sse(shape.chunk("", role=True) | extra)
             while True:
+                if chunk.logprobs is not None:
+                    lp_ids += chunk.token_ids
+                    lp_entries += chunk.logprobs
                 if chunk.text or chunk.finish_reason is not None:
                     piece = shape.chunk(
-                        chunk.text, chunk.finish_reason, completion=chunk.completion
+                        chunk.text,
+                        chunk.finish_reason,
+                        completion=chunk.completion,
+                        logprobs=(lp_ids, lp_entries) if lp_entries else None,
+                        token_texts=self.backend.token_texts if lp_entries else None,
                     )
+                    lp_ids, lp_entries = [], []
                     yield _sse(piece | extra)
                 if chunk.finish_reason is not None:
                     break

@@ -125,7 +125,7 @@ class _GenerateBody(_Body):
         raise NotImplementedError
 
     def check(self, model_name: str) -> None:
-        """Checks that need no tokens: the model, n, and logprobs with stream."""
+        """Checks that need no tokens: the model, n, and top_logprobs without logprobs."""
         if self.model is not None and self.model != model_name:
             raise ApiError(
                 404,
@@ -135,13 +135,7 @@ class _GenerateBody(_Body):
             )
         if self.n != 1:
             raise ApiError(400, f"n: only n=1 is supported, got {self.n}", param="n")
-        if self.stream and self.num_logprobs() is not None:
-            raise ApiError(
-                400,
-                f"{self.LOGPROBS_FIELD}: logprobs are not supported with stream yet; "
-                "send the request without stream",
-                param=self.LOGPROBS_FIELD,
-            )
+        self.num_logprobs()
 
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """Validated SamplingParams whose prompt + max_tokens fit the context."""
@@ -299,6 +293,7 @@ class ResponseShape:
     ) -> None:
         self.kind, self.id, self.model = kind, request_id, model
         self.logprobs = logprobs  # top alternatives per token; None: no logprobs
+        self._text_offset = 0  # completions' logprobs.text_offset, across stream chunks
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -313,7 +308,7 @@ class ResponseShape:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
-        logprobs = self._logprobs(c, token_texts) if token_texts is not None else None
+        logprobs = self._logprobs(c.token_ids, c.logprobs, token_texts)
         choice |= {"logprobs": logprobs, "finish_reason": c.finish_reason}
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._head(obj) | {
@@ -323,18 +318,22 @@ class ResponseShape:
         }
 
     def _logprobs(
-        self, c: Completion, token_texts: Callable[[list[int]], list[str]]
+        self,
+        token_ids: list[int],
+        entries: list[dict[int, float]] | None,
+        token_texts: Callable[[list[int]], list[str]] | None,
     ) -> dict[str, Any] | None:
-        """OpenAI's logprobs object: ``content`` items for chat; ``tokens``,
-        ``token_logprobs``, ``top_logprobs`` and ``text_offset`` for completions."""
-        if self.logprobs is None or c.logprobs is None:
+        """OpenAI's logprobs object for these generated tokens: ``content`` items for chat;
+        ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (counted from the
+        start of the completion, across stream chunks) for completions."""
+        if self.logprobs is None or entries is None or token_texts is None:
             return None
         # (sampled token, its logprob, the top alternatives best first) per generated token
         rows = [
             (tok, entry[tok], sorted(entry.items(), key=lambda kv: -kv[1])[: self.logprobs])
-            for tok, entry in zip(c.token_ids, c.logprobs, strict=False)
+            for tok, entry in zip(token_ids, entries, strict=False)
         ]
-        ids = sorted({t for entry in c.logprobs for t in entry})
+        ids = sorted({t for entry in entries for t in entry})
         text = dict(zip(ids, token_texts(ids), strict=True))
         if self.kind == "chat":
 
@@ -345,13 +344,14 @@ class ResponseShape:
                 item(t, lp) | {"top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in rows
             ]
             return {"content": content, "refusal": None}
-        lengths = [len(text[t]) for t, _, _ in rows]
+        offsets = list(itertools.accumulate((len(text[t]) for t, _, _ in rows), initial=0))
+        start, self._text_offset = self._text_offset, self._text_offset + offsets[-1]
         return {
             "tokens": [text[t] for t, _, _ in rows],
             "token_logprobs": [lp for _, lp, _ in rows],
             # Two tokens can share a text (a "\ufffd" byte piece): the best one names it.
             "top_logprobs": [{text[a]: b for a, b in reversed(top)} for _, _, top in rows],
-            "text_offset": list(itertools.accumulate(lengths, initial=0))[:-1],
+            "text_offset": [start + o for o in offsets[:-1]],
         }
 
     def chunk(
@@ -361,8 +361,11 @@ class ResponseShape:
         *,
         role: bool = False,
         completion: Completion | None = None,
+        logprobs: tuple[list[int], list[dict[int, float]]] | None = None,
+        token_texts: Callable[[list[int]], list[str]] | None = None,
     ) -> dict[str, Any]:
-        """A stream chunk; the last one (with ``completion``) also carries ``kvmesh``."""
+        """A stream chunk; the last one (with ``completion``) also carries ``kvmesh``.
+        ``logprobs``: the chunk's tokens and their logprob entries."""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -371,7 +374,8 @@ class ResponseShape:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        lp = self._logprobs(*logprobs, token_texts) if logprobs is not None else None
+        choice |= {"logprobs": lp, "finish_reason": finish_reason}
         out = self._head(self.chunk_object) | {"choices": [choice]}
         if completion is not None:
             out["kvmesh"] = completion.kv.to_dict()

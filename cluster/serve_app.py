@@ -74,6 +74,8 @@ def chunk_dict(c: Chunk) -> dict[str, Any]:
         "token_ids": c.token_ids,
         "finish_reason": c.finish_reason,
     }
+    if c.logprobs is not None:
+        out["logprobs"] = c.logprobs
     if c.completion is not None:
         full = completion_dict(c.completion)
         out["usage"], out["kvmesh"] = full["usage"], full["kvmesh"]

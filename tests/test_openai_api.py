@@ -228,7 +228,6 @@ BAD_INPUT: dict[str, tuple[Any, ...]] = {  # case: ((path, body), param[, status
     "top_logprobs 21": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     "logprobs a string": (chat(logprobs="yes"), "logprobs"),
     "completion logprobs -1": (complete(logprobs=-1), "logprobs"),
-    "logprobs with stream": (chat(logprobs=True, stream=True), "top_logprobs"),
 }
 
 
@@ -290,6 +289,24 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
         assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(lp_i)
     plain = client.completions.create(model=MODEL, prompt="Once upon", **GREEDY)
     assert plain.choices[0].logprobs is None and plain.choices[0].text == out.choices[0].text
+
+
+def test_streamed_logprobs_equal_the_non_streamed(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 2, **GREEDY}
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    streamed = [
+        item for c in chunks if c.choices[0].logprobs for item in c.choices[0].logprobs.content
+    ]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in whole]
+    assert [len(i.top_logprobs) for i in streamed] == [2] * 12
+
+    kw = {"model": MODEL, "prompt": "Once upon", "logprobs": 1, **GREEDY}
+    whole_text = client.completions.create(**kw).choices[0].logprobs
+    pieces = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)]
+    pieces = [p for p in pieces if p is not None]
+    assert [t for p in pieces for t in p.tokens] == whole_text.tokens
+    assert [o for p in pieces for o in p.text_offset] == whole_text.text_offset
 
 
 # -- keys, metrics, disconnects, failures ------------------------------------------------------

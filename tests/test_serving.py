@@ -103,6 +103,8 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
     assert len(lps) == len(out["token_ids"])
     for tok, entry in zip(out["token_ids"], lps, strict=True):
         assert tok in entry and 2 <= len(entry) <= 3
+    streamed = handle.options(stream=True).generate.remote({**req, "logprobs": 2, "stream": True})
+    assert [e for c in streamed for e in c.get("logprobs", [])] == lps
 
 
 @pytest.mark.parametrize(

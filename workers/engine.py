@@ -235,6 +235,8 @@ class LLMEngine:
             t.finish_reason, t.stop_reason = "stop", t.detokenizer.stopped_by
             text += t.detokenizer.update(req.output_token_ids, final=True)
         delta = StreamDelta(req.request_id, [token], text, t.finish_reason)
+        if t.logprobs is not None:  # recorded for this token just before
+            delta.logprobs = t.logprobs[-1:]
         if t.finish_reason is not None:
             req.metrics.finished_time = now
             self.scheduler.finish(req)

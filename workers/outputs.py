@@ -58,3 +58,4 @@ class StreamDelta:
     text: str = ""
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the full output, set on the last delta
+    logprobs: list[dict[int, float]] | None = None  # per token, with SamplingParams.logprobs
