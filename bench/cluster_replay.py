@@ -18,7 +18,7 @@ import argparse
 import json
 from collections.abc import Callable
 
-from pool_replay import replay_computed
+from pool_replay import cached_depth, replay_computed
 
 from kvmesh.workers.block_hash import block_hashes
 from kvmesh.workers.chat import chat_prompt_ids
@@ -39,10 +39,7 @@ def greedy_route(rows: list[dict], prompts: list[list[int]]) -> Route:
     def route(i: int, pools: list[KVCacheManager]) -> int:
         ids, conv = prompts[i], rows[i]["conversation"]
         chain = block_hashes(ids, BS, b"replay")[: (len(ids) - 1) // BS]
-        depth = [
-            next((n for n, h in enumerate(chain) if h not in kv.pool.cached), len(chain))
-            for kv in pools
-        ]
+        depth = [cached_depth(kv, chain) for kv in pools]
         best = max(depth)
         live = [
             sum(1 for c, p in hosted.items() if p == w and c != conv) for w in range(len(pools))

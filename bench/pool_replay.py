@@ -12,6 +12,11 @@ from kvmesh.workers.kv_connector import NoopKvCacheConnector
 from kvmesh.workers.request import Request
 
 
+def cached_depth(kv: KVCacheManager, hashes: Sequence[BlockHash]) -> int:
+    """How many leading blocks of ``hashes`` the pool caches."""
+    return next((n for n, h in enumerate(hashes) if h not in kv.pool.cached), len(hashes))
+
+
 class _PeerPools(NoopKvCacheConnector):
     """Bookkeeping stand-in for the cluster connector: the longest prefix any other pool
     caches can be "pulled" (no bytes move; only the counts matter here)."""
@@ -20,12 +25,8 @@ class _PeerPools(NoopKvCacheConnector):
         self.me, self.pools = me, pools
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        best = 0
-        for i, kv in enumerate(self.pools):
-            if i != self.me:
-                depth = next((n for n, h in enumerate(hashes) if h not in kv.pool.cached), None)
-                best = max(best, len(hashes) if depth is None else depth)
-        return best
+        others = (kv for i, kv in enumerate(self.pools) if i != self.me)
+        return max((cached_depth(kv, hashes) for kv in others), default=0)
 
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> bool:
         return True

@@ -51,6 +51,16 @@ class _Inflight:
         self.ready.set()
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A worker's prompts in flight, seen from one new prompt."""
+
+    backlog: int = 0  # prompt tokens they have left to compute
+    depth: int = 0  # most leading blocks one of them shares with the new prompt
+    wait_tokens: int = 0  # backlog up to and including that one
+    entry: _Inflight | None = None  # that one
+
+
 class ClusterBackend:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -111,31 +121,31 @@ class ClusterBackend:
 
     # -- routing ------------------------------------------------------------------------------
 
-    async def _views(self, chain: list[bytes]) -> dict[str, WorkerView]:
+    def _pending(self, worker: str, chain: list[bytes]) -> _Pending:
+        """The prompts in flight on ``worker``, seen from a prompt with block hashes ``chain``."""
+        pending = _Pending()
+        for e in self.inflight[worker]:  # in routing order: a worker computes its prompts FIFO
+            pending.backlog += e.tokens
+            depth = _common_prefix(e.chain, chain)
+            if depth > pending.depth:
+                pending.depth, pending.wait_tokens, pending.entry = depth, pending.backlog, e
+        return pending
+
+    async def _views(
+        self, chain: list[bytes], pending: dict[str, _Pending]
+    ) -> dict[str, WorkerView]:
+        if not self.router.needs_lookup:
+            return {w: WorkerView(queue=q) for w, q in self.loads.items()}
         depths: dict[str, int] = {}
         if self.index is not None:
             try:
                 depths = dict(await self.index.lookup.remote(chain))
             except Exception as e:  # the index is a hint: route without it
                 logger.warning("index lookup failed: %s", e)
-        views = {}
-        for w, entries in self.inflight.items():
-            backlog = pending = wait = 0
-            for e in entries:  # in routing order: a worker computes its prompts FIFO
-                backlog += e.tokens
-                depth = _common_prefix(e.chain, chain)
-                if depth > pending:
-                    pending, wait = depth, backlog
-            views[w] = WorkerView(self.loads[w], backlog, depths.get(w, 0), pending, wait)
-        return views
-
-    def _deepest(self, worker: str, chain: list[bytes]) -> _Inflight | None:
-        best, depth = None, 0
-        for e in self.inflight[worker]:
-            d = _common_prefix(e.chain, chain)
-            if d > depth:
-                best, depth = e, d
-        return best
+        return {
+            w: WorkerView(self.loads[w], p.backlog, depths.get(w, 0), p.depth, p.wait_tokens)
+            for w, p in pending.items()
+        }
 
     async def _route(self, role: str, ids: list[int]) -> tuple[str, _Inflight]:
         """Choose a worker and record the prompt as in flight there (one step, under a lock:
@@ -145,19 +155,15 @@ class ClusterBackend:
         candidates = [w for w in self.roles[role] if w not in self.dead]
         chain = block_hashes(ids, self.config.block_size, self.namespace)
         async with self._route_lock:
-            views = (
-                await self._views(chain)
-                if self.router.needs_lookup
-                else {w: WorkerView(queue=q) for w, q in self.loads.items()}
-            )
-            choice = self.router.choose(candidates, views, len(ids))
+            pending = {w: self._pending(w, chain) for w in self.inflight}
+            choice = self.router.choose(candidates, await self._views(chain, pending), len(ids))
             worker = choice.worker
             # Prompts that share this prefix and were routed to the same worker first go
             # first: its scheduler then makes this one wait a step and hit their blocks.
-            ahead = self._deepest(worker, chain)
-            peer = self._deepest(choice.wait_for, chain) if choice.wait_for else None
-            backlog = sum(e.tokens for e in self.inflight[worker])
-            entry = _Inflight(chain, choice.compute_tokens, self.loads[worker], backlog)
+            ahead = pending[worker].entry
+            peer = pending[choice.wait_for].entry if choice.wait_for else None
+            queue, backlog = self.loads[worker], pending[worker].backlog
+            entry = _Inflight(chain, choice.compute_tokens, queue, backlog)
             self.loads[worker] += 1
             self.inflight[worker].append(entry)
         try:

@@ -159,19 +159,23 @@ class Router:
     ) -> list[_Option]:
         """Serve now (pulling what peers hold), or wait for a peer's in-flight prefix."""
         local = min(max(v.depth, v.pending), n)
+        others = {name: p for name, p in views.items() if name != w}
         # Peers' depths, deepest first: beyond the second deepest, one peer alone holds them.
-        held = sorted((min(p.depth, n) for name, p in views.items() if name != w), reverse=True)
-        held += [0, 0]
-        peers = [(min(p.pending, n), -p.pending_wait_tokens, name) for name, p in views.items()]
-        peers = [p for p in peers if p[2] != w]
-        computing, neg_wait, peer = max(peers, default=(0, 0, None))
+        held = [*sorted((min(p.depth, n) for p in others.values()), reverse=True), 0, 0]
+        # The peer computing the most of this prompt, the soonest done on ties.
+        peer = max(
+            others,
+            key=lambda name: (min(others[name].pending, n), -others[name].pending_wait_tokens),
+            default=None,
+        )
+        computing = min(others[peer].pending, n) if peer is not None else 0
         options = []
         reach = max(local, held[0]) if self.connector else local
         duplicate = max(computing - reach, 0) if self.connector else 0
         moved = max(reach - max(local, held[1]), 0)
         options.append(self._option(v, n, partial, local, reach, duplicate + moved, 0.0, None))
         if self.connector and computing > reach:
-            wait = -neg_wait * self.cost.t_token_s
+            wait = others[peer].pending_wait_tokens * self.cost.t_token_s
             options.append(self._option(v, n, partial, local, computing, moved, wait, peer))
         return options
 
