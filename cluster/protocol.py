@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, Literal, TypeVar
@@ -120,9 +121,10 @@ class _GenerateBody(_Body):
         """max_tokens when the client gave none; ``room`` is what the context has left."""
         return min(room, COMPLETION_DEFAULT_MAX_TOKENS)
 
+    @abstractmethod
     def num_logprobs(self) -> int | None:
-        """How many top alternatives to report per token; None for no logprobs."""
-        raise NotImplementedError
+        """How many top alternatives to report per token; None for no logprobs (each
+        endpoint spells logprobs its own way)."""
 
     def check(self, model_name: str) -> None:
         """Checks that need no tokens: the model, n, and top_logprobs without logprobs."""

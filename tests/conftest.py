@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -69,3 +70,36 @@ def smollm2_hf():
     kw = {"gguf_file": path.name, "local_files_only": True}
     model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw).eval()
     return model, AutoTokenizer.from_pretrained(path.parent, **kw)
+
+
+# -- the OpenAI API over a LocalBackend (tests/test_openai_*.py) -------------------------------
+# Imported inside the fixtures: the HF offline settings above must come before transformers.
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[Any]:
+    from kvmesh.cluster.local_backend import LocalBackend
+    from tests.openai_helpers import MAX_LEN, MODEL
+
+    b = LocalBackend(
+        model=MODEL, block_size=4, num_kv_blocks=128, max_model_len=MAX_LEN, progress=False
+    )
+    yield b
+    b.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(backend: Any) -> Iterator[tuple[int, Any]]:
+    from kvmesh.cluster.openai_api import build_api
+    from tests.openai_helpers import MODEL, Spy, serve
+
+    spy = Spy(backend)
+    with serve(build_api(spy, model_name=MODEL)) as port:
+        yield port, spy
+
+
+@pytest.fixture
+def client(server: tuple[int, Any]) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="test", max_retries=0)

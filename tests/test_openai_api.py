@@ -3,112 +3,30 @@ loopback and driven by the official ``openai`` client; bad input through raw HTT
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
-import uvicorn
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
-from kvmesh.workers.sampling_params import SamplingParams
-
-MODEL = "tiny-random"
-MAX_LEN = 256  # context; the pool (128 blocks of 4) holds two full-length requests
-USER = [{"role": "user", "content": "Say something."}]
-GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-
-
-@contextlib.contextmanager
-def serve(app: Any) -> Iterator[int]:
-    """Run ``app`` with uvicorn on a free loopback port in a thread; yields the port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, "uvicorn start")
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
-class Spy:
-    """The backend, counting generate/stream calls (bad input must never reach them)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.calls = inner, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def generate(self, request: GenerateRequest) -> Completion:
-        self.calls += 1
-        return await self.inner.generate(request)
-
-    def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        self.calls += 1
-        return self.inner.stream(request)
-
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[LocalBackend]:
-    b = LocalBackend(
-        model=MODEL, block_size=4, num_kv_blocks=128, max_model_len=MAX_LEN, progress=False
-    )
-    yield b
-    b.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(backend: LocalBackend) -> Iterator[tuple[int, Spy]]:
-    spy = Spy(backend)
-    with serve(build_api(spy, model_name=MODEL)) as port:
-        yield port, spy
-
-
-@pytest.fixture
-def client(server: tuple[int, Spy]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="test", max_retries=0)
-
-
-def call(port: int, method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any]:
-    """One raw request; (status, JSON body or text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    conn.request(method, path, data, {"Content-Type": "application/json", **headers})
-    r = conn.getresponse()
-    text = r.read().decode()
-    conn.close()
-    with contextlib.suppress(ValueError):
-        return r.status, json.loads(text)
-    return r.status, text
-
-
-def check_kvmesh(kv: dict[str, Any], usage: Any) -> None:
-    """The ``kvmesh`` object accounts for every prompt token, and agrees with ``usage``."""
-    assert kv["worker"] == "local-0" and kv["ttft_ms"] >= 0
-    hit, pulled = kv["local_hit_tokens"], kv["pulled_tokens"]
-    assert hit + pulled + kv["computed_tokens"] == usage.prompt_tokens
-    assert hit + pulled == usage.prompt_tokens_details.cached_tokens
-
+from tests.openai_helpers import (
+    GREEDY,
+    MAX_LEN,
+    MODEL,
+    USER,
+    Spy,
+    call,
+    check_kvmesh,
+    serve,
+    wait_until,
+)
 
 # -- the happy paths --------------------------------------------------------------------------
 
@@ -256,57 +174,6 @@ def test_bad_input_through_the_client(client: openai.OpenAI) -> None:
 def test_unknown_fields_are_ignored(server: tuple[int, Spy]) -> None:
     body = {**OK, "max_tokens": 2, "frequency_penalty": 0, "user": "u1", "tools": None}
     assert call(server[0], "POST", CHAT, body)[0] == 200
-
-
-def test_chat_logprobs_match_the_engine(client: openai.OpenAI, backend: LocalBackend) -> None:
-    """Each generated token's logprob and its top alternatives are the engine's own, named
-    by their text; greedy picks the best of them."""
-    out = client.chat.completions.create(
-        model=MODEL, messages=USER, logprobs=True, top_logprobs=3, **GREEDY
-    )
-    content = out.choices[0].logprobs.content
-    assert len(content) == out.usage.completion_tokens == 12
-    ids = backend.tokenize_chat(USER)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-    want = backend.worker.generate(ids, params)
-    for item, tok, entry in zip(content, want.token_ids, want.logprobs, strict=True):
-        assert item.token == backend.token_texts([tok])[0]
-        assert item.logprob == pytest.approx(entry[tok], abs=1e-5)
-        assert item.bytes == list(item.token.encode())
-        assert len(item.top_logprobs) == 3
-        tops = [t.logprob for t in item.top_logprobs]
-        assert tops == sorted(tops, reverse=True) and max(tops) == pytest.approx(item.logprob)
-        assert all(lp <= 0 for lp in tops)
-
-
-def test_completion_logprobs(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL, prompt="Once upon", logprobs=2, **GREEDY)
-    lp = out.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
-    assert "".join(lp.tokens) == out.choices[0].text
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
-    for lp_i, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(lp_i)
-    plain = client.completions.create(model=MODEL, prompt="Once upon", **GREEDY)
-    assert plain.choices[0].logprobs is None and plain.choices[0].text == out.choices[0].text
-
-
-def test_streamed_logprobs_equal_the_non_streamed(client: openai.OpenAI) -> None:
-    kw = {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 2, **GREEDY}
-    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
-    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
-    streamed = [
-        item for c in chunks if c.choices[0].logprobs for item in c.choices[0].logprobs.content
-    ]
-    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in whole]
-    assert [len(i.top_logprobs) for i in streamed] == [2] * 12
-
-    kw = {"model": MODEL, "prompt": "Once upon", "logprobs": 1, **GREEDY}
-    whole_text = client.completions.create(**kw).choices[0].logprobs
-    pieces = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)]
-    pieces = [p for p in pieces if p is not None]
-    assert [t for p in pieces for t in p.tokens] == whole_text.tokens
-    assert [o for p in pieces for o in p.text_offset] == whole_text.text_offset
 
 
 # -- keys, metrics, disconnects, failures ------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Shared pieces for the OpenAI API tests: a LocalBackend on tiny-random served by uvicorn
+on loopback, the official client for it, and a raw-HTTP caller."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import uvicorn
+
+from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
+
+MODEL = "tiny-random"
+MAX_LEN = 256  # context; the pool (128 blocks of 4) holds two full-length requests
+USER = [{"role": "user", "content": "Say something."}]
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[int]:
+    """Run ``app`` with uvicorn on a free loopback port in a thread; yields the port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "uvicorn start")
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+class Spy:
+    """The backend, counting generate/stream calls (bad input must never reach them)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        self.calls += 1
+        return await self.inner.generate(request)
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        self.calls += 1
+        return self.inner.stream(request)
+
+
+def call(port: int, method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any]:
+    """One raw request; (status, JSON body or text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json", **headers})
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    with contextlib.suppress(ValueError):
+        return r.status, json.loads(text)
+    return r.status, text
+
+
+def check_kvmesh(kv: dict[str, Any], usage: Any) -> None:
+    """The ``kvmesh`` object accounts for every prompt token, and agrees with ``usage``."""
+    assert kv["worker"] == "local-0" and kv["ttft_ms"] >= 0
+    hit, pulled = kv["local_hit_tokens"], kv["pulled_tokens"]
+    assert hit + pulled + kv["computed_tokens"] == usage.prompt_tokens
+    assert hit + pulled == usage.prompt_tokens_details.cached_tokens
