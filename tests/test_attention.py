@@ -19,6 +19,7 @@ from kvmesh.workers.attention import (
     get_attn_backend,
 )
 from kvmesh.workers.cascade_attention import find_shared_prefix
+from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.kv_cache import KVCache, parse_memory
 from kvmesh.workers.model_config import ModelConfig
 
@@ -111,30 +112,41 @@ def run_case(*args: Any, **kwargs: Any) -> float:
 
 
 HEADS = [(4, 4), (4, 2), (8, 1)]
+needs_kernels = pytest.mark.skipif(kernel_library() is None, reason="no C compiler here")
+# The torch backend on its own, and with the CPU kernel taking the short rows.
+BACKENDS = [
+    pytest.param(False, id="torch"),
+    pytest.param(True, id="cpu-kernel", marks=needs_kernels),
+]
 
 
+@pytest.mark.parametrize("kernel", BACKENDS)
 @pytest.mark.parametrize(("hq", "hkv"), HEADS)
-def test_mixed_batch_prefills_with_prefix_and_decodes(hq: int, hkv: int) -> None:
+def test_mixed_batch_prefills_with_prefix_and_decodes(hq: int, hkv: int, kernel: bool) -> None:
     # Order mixes kinds: prefix prefill, decode, fresh prefill, decode, prefix prefill across
     # blocks, single-token prompt (a decode-shaped row).
-    err = run_case(TorchAttentionBackend(), [5, 1, 9, 1, 6, 1], [12, 7, 9, 17, 6 + 11, 1], hq, hkv)
+    backend = TorchAttentionBackend(cpu_kernel=kernel)
+    err = run_case(backend, [5, 1, 9, 1, 6, 1], [12, 7, 9, 17, 6 + 11, 1], hq, hkv)
     assert err < 1e-5, f"max abs diff {err}"
 
 
+@pytest.mark.parametrize("kernel", BACKENDS)
 @pytest.mark.parametrize(("hq", "hkv"), HEADS)
-def test_pure_decodes(hq: int, hkv: int) -> None:
-    err = run_case(TorchAttentionBackend(), [1] * 5, [3, 16, 1, 9, 30], hq, hkv)
+def test_pure_decodes(hq: int, hkv: int, kernel: bool) -> None:
+    err = run_case(TorchAttentionBackend(cpu_kernel=kernel), [1] * 5, [3, 16, 1, 9, 30], hq, hkv)
     assert err < 1e-5, f"max abs diff {err}"
 
 
-def test_pure_fresh_prefills() -> None:
-    err = run_case(TorchAttentionBackend(), [7, 13, 2], [7, 13, 2], 4, 2)
+@pytest.mark.parametrize("kernel", BACKENDS)
+def test_pure_fresh_prefills(kernel: bool) -> None:
+    err = run_case(TorchAttentionBackend(cpu_kernel=kernel), [7, 13, 2], [7, 13, 2], 4, 2)
     assert err < 1e-5, f"max abs diff {err}"
 
 
-def test_chunked_prefill_in_two_steps() -> None:
+@pytest.mark.parametrize("kernel", BACKENDS)
+def test_chunked_prefill_in_two_steps(kernel: bool) -> None:
     """A 13-token prompt as chunks of 7 then 6 through the cache equals one dense pass."""
-    backend, hq, hkv, bs = TorchAttentionBackend(), 4, 2, 4
+    backend, hq, hkv, bs = TorchAttentionBackend(cpu_kernel=kernel), 4, 2, 4
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(13, h, D, generator=gen) for h in (hq, hkv, hkv))
     table = [9, 2, 14, 5]
@@ -148,7 +160,9 @@ def test_chunked_prefill_in_two_steps() -> None:
 
 
 def test_bf16_cache() -> None:
-    err = run_case(TorchAttentionBackend(), [5, 1, 4], [9, 6, 4], 4, 2, dtype=torch.bfloat16)
+    err = run_case(
+        TorchAttentionBackend(cpu_kernel=False), [5, 1, 4], [9, 6, 4], 4, 2, dtype=torch.bfloat16
+    )
     assert err < 5e-2, f"max abs diff {err}"
 
 
@@ -173,11 +187,11 @@ def test_cascade_decodes_match_plain_and_reference(
     # 5 shared blocks of 4 = 20 tokens. Row 0 is the shared prefix plus one token, row 2 ends
     # exactly on a block boundary, the others have suffixes of different lengths.
     case = dict(query_lens=[1] * 5, seq_lens=[21, 33, 24, 22, 38], hq=hq, hkv=hkv)
-    out, ref, meta = make_case(TorchAttentionBackend(), **case, shared_blocks=5)
+    out, ref, meta = make_case(TorchAttentionBackend(cpu_kernel=False), **case, shared_blocks=5)
     assert _plan_tokens(meta) == ([0, 1, 2, 3, 4], [])
     assert meta.scratch["torch_plan"].cascade.shared_rows.numel() == hkv * 20
     _no_cascade(monkeypatch)
-    plain, ref2, meta2 = make_case(TorchAttentionBackend(), **case, shared_blocks=5)
+    plain, ref2, meta2 = make_case(TorchAttentionBackend(cpu_kernel=False), **case, shared_blocks=5)
     assert _plan_tokens(meta2) == ([], [0, 1, 2, 3, 4])
     assert torch.equal(ref, ref2)
     assert (out.double() - ref).abs().max().item() < 1e-5
@@ -193,10 +207,14 @@ def test_mixed_batch_with_cascade_decodes(
     # blocks), prefill after a prefix hit on the shared blocks, cascade decode.
     case = dict(query_lens=[1, 7, 1, 1, 6, 1], seq_lens=[23, 7, 21, 30, 26, 29], hq=hq, hkv=hkv)
     sharing = [0, 2, 4, 5]
-    out, ref, meta = make_case(TorchAttentionBackend(), **case, shared_blocks=5, sharing=sharing)
+    out, ref, meta = make_case(
+        TorchAttentionBackend(cpu_kernel=False), **case, shared_blocks=5, sharing=sharing
+    )
     assert _plan_tokens(meta) == ([0, 8, 16], [9])  # tokens of rows 0, 2, 5 and of row 3
     _no_cascade(monkeypatch)
-    plain, _, meta2 = make_case(TorchAttentionBackend(), **case, shared_blocks=5, sharing=sharing)
+    plain, _, meta2 = make_case(
+        TorchAttentionBackend(cpu_kernel=False), **case, shared_blocks=5, sharing=sharing
+    )
     assert _plan_tokens(meta2) == ([], [0, 8, 9, 16])
     assert (out.double() - ref).abs().max().item() < 1e-5
     assert (out - plain).abs().max().item() < 1e-5
@@ -204,7 +222,7 @@ def test_mixed_batch_with_cascade_decodes(
 
 def test_cascade_bf16_cache() -> None:
     case = dict(query_lens=[1, 1, 1], seq_lens=[21, 30, 25], hq=4, hkv=2, dtype=torch.bfloat16)
-    out, ref, meta = make_case(TorchAttentionBackend(), **case, shared_blocks=5)
+    out, ref, meta = make_case(TorchAttentionBackend(cpu_kernel=False), **case, shared_blocks=5)
     assert meta.scratch["torch_plan"].cascade is not None
     assert (out.double() - ref).abs().max().item() < 5e-2
 

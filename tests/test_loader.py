@@ -11,12 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 
-from kvmesh.workers.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, permute_rope_rows
+from kvmesh.workers.gguf_loader import permute_rope_rows
 from kvmesh.workers.loader import LoadedWeights, load_weights, save_hf_dir, smollm2_gguf_path
+from tests.gguf_helpers import write_gguf
 
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
 
@@ -24,51 +24,6 @@ CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "cont
 @pytest.fixture(scope="module")
 def tiny() -> LoadedWeights:
     return load_weights("tiny-random", progress=False)
-
-
-def _write_gguf(w: LoadedWeights, path: Path) -> Path:
-    """`w` as llama.cpp's converter would write it: GGUF names, q/k rows permuted, 2-D weights
-    in Q8_0, and a byte-level gpt2 tokenizer (scores instead of an empty merges list)."""
-    c, tok = w.hf_config, w.tokenizer
-    to_gguf = {hf: g for g, hf in _GLOBAL_NAMES.items()}
-    to_gguf |= {
-        f"model.layers.{i}.{hf}.weight": f"blk.{i}.{g}.weight"
-        for i in range(c["num_hidden_layers"])
-        for g, hf in _LAYER_NAMES.items()
-    }
-    wr = gguf.GGUFWriter(path, "llama")
-    wr.add_context_length(c["max_position_embeddings"])
-    wr.add_embedding_length(c["hidden_size"])
-    wr.add_block_count(c["num_hidden_layers"])
-    wr.add_feed_forward_length(c["intermediate_size"])
-    wr.add_head_count(c["num_attention_heads"])
-    wr.add_head_count_kv(c["num_key_value_heads"])
-    wr.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    wr.add_rope_freq_base(c["rope_theta"])
-    vocab = tok.convert_ids_to_tokens(list(range(len(tok))))
-    wr.add_tokenizer_model("gpt2")
-    wr.add_token_list(vocab)
-    wr.add_token_types([1] * 256 + [3] * (len(vocab) - 256))  # normal bytes, control specials
-    wr.add_token_scores([0.0] * len(vocab))
-    wr.add_bos_token_id(c["bos_token_id"])
-    wr.add_eos_token_id(c["eos_token_id"])
-    wr.add_chat_template(tok.chat_template)
-    for name, t in w.state_dict.items():
-        if ".q_proj." in name:
-            t = permute_rope_rows(t, c["num_attention_heads"])
-        elif ".k_proj." in name:
-            t = permute_rope_rows(t, c["num_key_value_heads"])
-        a = t.numpy()
-        if a.ndim == 2:
-            qt = gguf.GGMLQuantizationType.Q8_0
-            wr.add_tensor(to_gguf[name], gguf.quants.quantize(a, qt), raw_dtype=qt)
-        else:
-            wr.add_tensor(to_gguf[name], a)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    return path
 
 
 def _assert_same_tokenizer(a, b) -> None:
@@ -156,7 +111,7 @@ def test_save_hf_dir_refuses_a_non_empty_dir(tiny: LoadedWeights, tmp_path: Path
 def test_gguf_matches_transformers_and_the_original(tiny: LoadedWeights, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = _write_gguf(tiny, tmp_path / "tiny.gguf")
+    path = write_gguf(tiny, tmp_path / "tiny.gguf")
     ours = load_weights(str(path), progress=False)
     ref = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, local_files_only=True, dtype=torch.float32
@@ -203,7 +158,7 @@ def _break(kind: str, tiny: LoadedWeights, tmp: Path) -> Path:
         if kind == "gguf-not-gguf":
             (tmp / "x.gguf").write_text("hello, not a model")
         elif kind == "gguf-truncated":
-            data = _write_gguf(tiny, tmp / "full.gguf").read_bytes()
+            data = write_gguf(tiny, tmp / "full.gguf").read_bytes()
             (tmp / "x.gguf").write_bytes(data[: len(data) // 2])
         return tmp / "x.gguf"
     d = save_hf_dir(tiny, tmp / "m", max_shard_bytes=100_000 if kind == "hf-no-shard" else None)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.workers.cascade_attention import CascadeDecode, find_shared_prefix
+from kvmesh.workers.cpu_attention import CpuAttentionPlan, kernel_rows
+from kvmesh.workers.cpu_kernels import kernel_library
 
 
 @dataclass
@@ -136,7 +138,23 @@ class TorchAttentionBackend(AttentionBackend):
     context). GQA: decode, and prefill over a cached prefix, fold a KV head's query heads into
     SDPA's query-length axis (no K/V copy per query head); a prefill without a cached prefix
     expands its own K/V to Hq heads. Index tensors are derived once per step (meta.scratch)
-    and shared by all layers."""
+    and shared by all layers.
+
+    On CPU in float32, with the C kernels built (cpu_kernels.py), rows of at most
+    KERNEL_MAX_QUERY_LEN new tokens go through csrc/paged_attention.c instead (cpu_attention.py):
+    it reads K/V in place and takes the cascade too. `cpu_kernel=False` keeps pure torch."""
+
+    def __init__(self, cpu_kernel: bool | None = None) -> None:
+        self.cpu_kernel = cpu_kernel  # None: when the kernels are available
+
+    def _kernel_rows(
+        self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> list[int]:
+        if q.dtype != torch.float32 or q.device.type != "cpu" or self.cpu_kernel is False:
+            return []
+        if self.cpu_kernel is None and kernel_library() is None:
+            return []
+        return kernel_rows(meta.query_lens_cpu, q.shape[2], q.shape[1], k_cache.shape[2])
 
     def forward(
         self,
@@ -152,12 +170,21 @@ class TorchAttentionBackend(AttentionBackend):
         plan = meta.scratch.get("torch_plan")
         if plan is None:
             group = q.shape[1] // k_cache.shape[2]
-            plan = _TorchPlan(meta, k_cache.shape[1], k_cache.shape[2], group, q.dtype)
+            rows = self._kernel_rows(q, k_cache, meta)
+            plan = _TorchPlan(meta, k_cache.shape[1], k_cache.shape[2], group, q.dtype, rows)
             meta.scratch["torch_plan"] = plan
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         group = hq // hkv
         out = q.new_empty(q.shape)
+
+        if plan.kernel is not None:
+            nk = plan.kernel.num_tokens
+            qk = q if nk == t else q.index_select(0, plan.kernel.tokens)
+            ok = plan.kernel.forward(qk, k_cache, v_cache, scale)
+            if nk == t:
+                return ok
+            out.index_copy_(0, plan.kernel.tokens, ok)
 
         if plan.cascade is not None:
             nc = plan.cascade_tokens.shape[0]
@@ -220,10 +247,17 @@ class _TorchPlan:
         num_kv_heads: int,
         group: int,
         dtype: torch.dtype,
+        kernel_rows: list[int],
     ) -> None:
         device = meta.block_tables.device
         starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
-        decode = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1]
+        self.kernel: CpuAttentionPlan | None = None
+        if kernel_rows:
+            self.kernel = CpuAttentionPlan(
+                meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables, kernel_rows, block_size
+            )
+        taken = set(kernel_rows)
+        decode = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1 and b not in taken]
         # Decode rows sharing a leading run of blocks take the cascade; the rest the plain path.
         self.cascade: CascadeDecode | None = None
         self.cascade_tokens = torch.empty(0, dtype=torch.int64)
@@ -259,7 +293,7 @@ class _TorchPlan:
         # heads folded, row g * Lq + i is query i); the last two are None without a cached prefix.
         self.prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for b, (ql, sl) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-            if ql == 1:
+            if ql == 1 or b in taken:
                 continue
             if ql == sl:
                 self.prefills.append((starts[b], starts[b + 1], sl, None, None))

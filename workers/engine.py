@@ -17,6 +17,7 @@ import torch
 from kvmesh.workers.attention import get_attn_backend
 from kvmesh.workers.block_hash import ModelFingerprint
 from kvmesh.workers.chat import prompt_token_ids
+from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_cache import KVCache, parse_memory
@@ -85,6 +86,11 @@ class LLMEngine:
         model = LlamaForCausalLM(mc, backend)
         model.load_state_dict(weights.state_dict)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # How many weights small batches read as quantized blocks (0: float32 only).
+        self.num_quantized_weights = 0
+        on_cpu_f32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if config.quantized_matmul and weights.quantized and on_cpu_f32 and kernel_library():
+            self.num_quantized_weights = self.model.use_quantized(weights.quantized)
         weights_id = weights.weights_id
         del weights  # the model holds its own copy of the tensors
 

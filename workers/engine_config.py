@@ -24,6 +24,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # float32 on CPU: batches of <= 32 rows (decode) multiply a GGUF's Q4_0/Q4_1/Q8_0 blocks
+    # as stored instead of its float32 copy (workers/qmatmul.py); same values, ~6x fewer bytes.
+    quantized_matmul: bool = True
     seed: int = 0  # seeds requests that bring no seed of their own
     progress: bool = True  # a progress bar while weights load
 

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvmesh.workers.qmatmul import BLOCK_BYTES, QuantizedWeight
+
 # llama.cpp per-layer tensor name -> HF name inside `model.layers.N.`.
 _LAYER_NAMES: dict[str, str] = {
     "attn_norm": "input_layernorm",
@@ -40,12 +42,14 @@ _MISSING = object()
 
 def read_gguf(
     path: Path, *, progress: bool = True
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Parse `path` and return `(hf_config, state_dict)`.
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Parse `path` and return `(hf_config, state_dict, quantized)`.
 
     `hf_config` is a config.json-style dict for `LlamaForCausalLM`; `state_dict` maps HF Llama
     parameter names to contiguous float32 tensors, q/k rows back in HF order. There is no
     `lm_head.weight` when the file has no `output.weight` (then `tie_word_embeddings` is true).
+    `quantized` holds, under the same names, the stored blocks of every 2-D tensor whose type
+    `qmatmul` multiplies directly (Q4_0 / Q4_1 / Q8_0), rows in HF order too.
     Raises ValueError when the file is not a readable GGUF, is not llama-architecture, or holds
     tensors or settings this loader does not understand.
     """
@@ -64,6 +68,7 @@ def read_gguf(
     n_heads, n_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
 
     state_dict: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     desc = f"dequantizing {path.name}"
     for t in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
         hf_name = _hf_name(t.name)
@@ -74,12 +79,19 @@ def read_gguf(
         except NotImplementedError as e:
             raise ValueError(f"{path}: {t.name} has unsupported type {t.tensor_type.name}") from e
         w = torch.from_numpy(np.array(array, dtype=np.float32))
-        if ".q_proj." in hf_name:
-            w = unpermute_rope_rows(w, n_heads)
-        elif ".k_proj." in hf_name:
-            w = unpermute_rope_rows(w, n_kv_heads)
+        blocks = None
+        if int(t.tensor_type) in BLOCK_BYTES and w.dim() == 2:
+            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [N, row bytes], a copy
+        heads = n_heads if ".q_proj." in hf_name else n_kv_heads if ".k_proj." in hf_name else 0
+        if heads:
+            w = unpermute_rope_rows(w, heads)
+            blocks = None if blocks is None else unpermute_rope_rows(blocks, heads)
         state_dict[hf_name] = w.contiguous()
-    return hf_config, state_dict
+        if blocks is not None:
+            quantized[hf_name] = QuantizedWeight(
+                int(t.tensor_type), blocks.contiguous(), in_features=w.shape[1]
+            )
+    return hf_config, state_dict, quantized
 
 
 def load_gguf_tokenizer(path: Path) -> Any:

@@ -15,7 +15,7 @@ import importlib.metadata
 import importlib.util
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from kvmesh.workers.gguf_loader import load_gguf_tokenizer, read_gguf
 from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.qmatmul import QuantizedWeight
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,7 +68,8 @@ class LoadedWeights:
     `tokenizer` carries the checkpoint's chat template (every built-in model has one).
     `weights_id` is a sha256 hex digest of the checkpoint as stored (the GGUF file; config.json
     and the safetensors files; tiny-random's config and tensors): equal ids mean equal weights
-    and config.
+    and config. `quantized` holds, under state_dict names, the quantized blocks a GGUF stores
+    for weights `qmatmul` can multiply as they are (a second form of the same values).
     """
 
     hf_config: dict[str, Any]
@@ -75,6 +77,7 @@ class LoadedWeights:
     weights_id: str
     tokenizer: Any  # transformers PreTrainedTokenizerFast; Any keeps transformers import lazy
     source: str
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
     @property
     def config(self) -> ModelConfig:
@@ -190,10 +193,9 @@ def save_hf_dir(
 
 
 def _load_gguf(path: Path, progress: bool, *, source: str) -> LoadedWeights:
-    hf_config, state_dict = read_gguf(path, progress=progress)
-    return LoadedWeights(
-        hf_config, state_dict, _sha256_files([path]), load_gguf_tokenizer(path), source
-    )
+    hf_config, state_dict, quantized = read_gguf(path, progress=progress)
+    tokenizer = load_gguf_tokenizer(path)
+    return LoadedWeights(hf_config, state_dict, _sha256_files([path]), tokenizer, source, quantized)
 
 
 def _load_hf_dir(path: Path, progress: bool) -> LoadedWeights:

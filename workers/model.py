@@ -20,6 +20,7 @@ from torch import nn
 from kvmesh.workers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.qmatmul import PackedWeight, QuantizedWeight, pack, qmatmul
 
 # Rows of the RoPE table built at first use (capped by max_position_embeddings); it grows
 # (at least doubling) when a step needs more.
@@ -37,6 +38,20 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can multiply through its weight's quantized blocks instead (`qweight`, set
+    by `LlamaForCausalLM.use_quantized`, which drops the float32 weight): a CPU decode step then
+    reads ~6x fewer weight bytes, which is what bounds it."""
+
+    qweight: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.qweight is not None:
+            y = qmatmul(x, self.qweight)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -82,10 +97,10 @@ class LlamaAttention(nn.Module):
         )
         self.scale = config.head_dim**-0.5
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, config.q_size, bias=bias)
-        self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
-        self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
-        self.o_proj = nn.Linear(config.q_size, h, bias=False)
+        self.q_proj = Linear(h, config.q_size, bias=bias)
+        self.k_proj = Linear(h, config.kv_size, bias=bias)
+        self.v_proj = Linear(h, config.kv_size, bias=bias)
+        self.o_proj = Linear(config.q_size, h, bias=False)
 
     def forward(
         self,
@@ -109,9 +124,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = Linear(h, i, bias=False)
+        self.up_proj = Linear(h, i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, [T, I] inside
@@ -160,13 +175,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attn_backend)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # Float32 [P, D] RoPE tables. Plain attributes, not buffers: model.to(dtype) must not
         # cast them, and meta-device init / to_empty() must not leave them uninitialised.
         self._rope_cos = torch.empty(0, config.head_dim)
         self._rope_sin = torch.empty(0, config.head_dim)
+        self._tied_qweight: PackedWeight | None = None  # embed_tokens' blocks, for logits
 
     def _rope(self, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin float32 [T, D] at `positions`; builds the table (on positions' device, up to
@@ -197,8 +213,44 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self._tied_qweight is not None:
+            return qmatmul(hidden, self._tied_qweight)
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def use_quantized(self, quantized: Mapping[str, QuantizedWeight]) -> int:
+        """Give the linear layers (and tied logits) the quantized blocks of their weights, by
+        state-dict name, packed for `qmatmul`; returns how many took them. A linear layer that
+        takes them drops its float32 weight (the tied embedding keeps it, for lookups). Only
+        for a float32 model on CPU; the values are the same, so logits move ~1e-6."""
+        param = self.model.embed_tokens.weight
+        if param.device.type != "cpu" or param.dtype != torch.float32:
+            raise ValueError(
+                f"quantized matmuls need float32 on CPU, not {param.dtype} on {param.device}"
+            )
+        taken = 0
+        for name, qw in quantized.items():
+            if name == "model.embed_tokens.weight":
+                if self.lm_head is not None:
+                    continue  # an untied embedding is only looked up, never multiplied
+                module, shape = None, tuple(param.shape)
+            else:
+                module = self.get_submodule(name.removesuffix(".weight"))
+                if not isinstance(module, Linear) or not name.endswith(".weight"):
+                    raise ValueError(f"quantized: {name!r} is not a linear layer's weight")
+                shape = (module.out_features, module.in_features)
+            if (qw.out_features, qw.in_features) != shape:
+                got = (qw.out_features, qw.in_features)
+                raise ValueError(f"quantized: {name!r} is {got}, the model has {shape}")
+            if module is None:
+                self._tied_qweight = pack(qw)
+            else:
+                module.qweight = pack(qw)
+                del module.weight  # frees the float32 copy; state_dict() no longer lists it
+                module.register_parameter("weight", None)
+            taken += 1
+        return taken
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

@@ -1,0 +1,137 @@
+"""The C kernels for CPU: quantized matmuls against gguf's own dequantizer and F.linear, the paged
+attention kernel against a dense reference, and an engine on quantized GGUF weights against
+HF transformers loading the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as GT
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.workers.attention import TorchAttentionBackend
+from kvmesh.workers.cpu_kernels import kernel_library
+from kvmesh.workers.loader import load_weights
+from kvmesh.workers.qmatmul import QuantizedWeight, dequantize, pack, qmatmul
+from tests.gguf_helpers import write_gguf
+from tests.test_attention import make_case
+
+pytestmark = pytest.mark.skipif(kernel_library() is None, reason="needs AVX-512 and a C compiler")
+TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0]
+
+
+def quantized(n: int, k: int, qtype: GT, scale: float = 0.05, seed: int = 0):
+    """(QuantizedWeight, gguf's float32 dequantization of it) for a random [n, k] weight."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * scale
+    blocks = gguf.quants.quantize(w, qtype)
+    ref = torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), dtype=np.float32))
+    return QuantizedWeight(int(qtype), torch.from_numpy(blocks), k), ref
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("scale", [0.05, 1e-6], ids=["normal", "subnormal-scales"])
+def test_dequantize_equals_gguf_exactly(qtype: GT, scale: float) -> None:
+    qw, ref = quantized(37, 96, qtype, scale)
+    assert torch.equal(dequantize(qw), ref)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40])
+def test_qmatmul_matches_float32_linear(qtype: GT, m: int) -> None:
+    # 37 rows: the last 16-row panel is partial; 17 and 40 rows of x span several passes.
+    qw, ref = quantized(37, 96, qtype)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    want = F.linear(x.double(), ref.double())
+    got = qmatmul(x, pack(qw))
+    assert got.shape == (m, 37) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    # A strided x is made contiguous, not misread.
+    wide = torch.randn(m, 192)
+    wide[:, ::2] = x
+    assert torch.allclose(qmatmul(wide[:, ::2], pack(qw)), got)
+
+
+def test_bad_inputs_raise_value_error() -> None:
+    qw, _ = quantized(16, 64, GT.Q4_1)
+    pw = pack(qw)
+    with pytest.raises(ValueError, match="x: has 32 columns"):
+        qmatmul(torch.randn(2, 32), pw)
+    with pytest.raises(ValueError, match="x: expected float32"):
+        qmatmul(torch.randn(2, 64, dtype=torch.float64), pw)
+    with pytest.raises(ValueError, match="ggml_type"):
+        QuantizedWeight(int(GT.Q6_K), qw.blocks, 64)
+    with pytest.raises(ValueError, match="blocks: expected contiguous uint8"):
+        QuantizedWeight(int(GT.Q4_1), qw.blocks[:, :20].contiguous(), 64)
+    with pytest.raises(ValueError, match="in_features"):
+        QuantizedWeight(int(GT.Q4_1), qw.blocks, 48)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 1), (4, 4)])
+def test_attention_kernel_long_contexts_and_chunk_edges(hq: int, hkv: int) -> None:
+    # Contexts over the kernel's 128-key chunks. Row 0's 20 queries straddle the chunk edge at
+    # 128, so its first queries see nothing in the second chunk; row 3 has 33 new tokens and
+    # goes to SDPA, next to the kernel in the same step.
+    case = dict(query_lens=[20, 1, 1, 33, 1], seq_lens=[140, 300, 129, 200, 128], hq=hq, hkv=hkv)
+    out, ref, meta = make_case(
+        TorchAttentionBackend(cpu_kernel=True), **case, block_size=16, num_blocks=80
+    )
+    plan = meta.scratch["torch_plan"]
+    assert plan.kernel.tokens.tolist() == [*range(20), 20, 21, 55]
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_attention_kernel_reads_a_shared_prefix_once() -> None:
+    # Six decode rows share 10 blocks (160 keys, two chunks): one shared item, then one item
+    # per row for its own blocks, merged per query head.
+    case = dict(query_lens=[1] * 6, seq_lens=[161, 175, 200, 176, 190, 163], hq=9, hkv=3)
+    out, ref, meta = make_case(
+        TorchAttentionBackend(cpu_kernel=True), **case, block_size=16, num_blocks=80,
+        shared_blocks=10,
+    )  # fmt: skip
+    kernel = meta.scratch["torch_plan"].kernel
+    assert kernel.num_items == 7
+    kv_len = kernel._arrays[1].tolist()
+    assert kv_len == [160, 1, 15, 40, 16, 30, 3]
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+MIXED = {"self_attn.q_proj": GT.Q4_0, "self_attn.k_proj": GT.Q4_1, "mlp.down_proj": GT.Q4_1}
+
+
+def qtype_of(name: str) -> GT:
+    return next((t for part, t in MIXED.items() if f".{part}." in name), GT.Q8_0)
+
+
+@pytest.mark.slow
+def test_engine_on_quantized_gguf_matches_hf_from_the_same_file(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(load_weights("tiny-random", progress=False), tmp_path / "q.gguf", qtype_of)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, local_files_only=True, dtype=torch.float32
+    ).eval()
+    quant = LLM(str(path), block_size=4, num_kv_blocks=64, progress=False)
+    plain = LLM(str(path), block_size=4, num_kv_blocks=64, progress=False, quantized_matmul=False)
+    # Every linear weight (2 layers x 7, plus the untied lm_head) went over to its blocks.
+    assert quant.engine.num_quantized_weights == 15 and plain.engine.num_quantized_weights == 0
+    assert quant.engine.model.model.layers[0].mlp.up_proj.weight is None
+
+    prompts = [[5, 80, 3, 200, 17, 9, 44], [100 + i for i in range(37)], [7] * 3]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    outs = zip(
+        prompts, quant.generate(prompts, params), plain.generate(prompts, params), strict=True
+    )
+    for ids, q, p in outs:
+        with torch.inference_mode():
+            want = hf.generate(
+                torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(ids):].tolist()  # fmt: skip
+        assert q.token_ids == want == p.token_ids
+        for tok, a, b in zip(q.token_ids, q.logprobs, p.logprobs, strict=True):
+            assert abs(a[tok] - b[tok]) < 1e-4

@@ -1,0 +1,223 @@
+/* Paged attention, float32, for query rows of few tokens: decodes and short prefills over a
+ * cached context. Reads K/V where they lie in the paged cache, without gathering them.
+ *
+ * The caller splits a step's attention into items. Item i lists query tokens
+ * qtok[qo[i] .. qo[i] + nq[i]) (rows of q and out) and keys: the first kv_len[i] tokens held by
+ * blocks[bo[i] ..] (block_size tokens per block); its j-th query sees the first
+ * qlim[qo[i] + j] of those keys (causal). A query's attention is the union of the items that
+ * list it: a cascade's shared prefix is one item listing every row that shares it, and each
+ * row's own blocks make another, so a shared prefix is read once for all its rows.
+ *
+ * Items are cut into chunks of CHUNK keys. Each (chunk, KV head) task computes, for its
+ * queries' query heads, the softmax partials (max, sum of exponentials, exp-weighted V sum) in
+ * parallel; the partials then merge per query head by log-sum-exp (FlashDecoding's split-KV).
+ * Scores: q * scale . k. GQA: query head hh reads KV head hh / (hq / hkv).
+ *
+ * Layouts: q, out [T, hq, d]; k_cache, v_cache [N, block_size, hkv, d]; d a multiple of 8.
+ * Every row of q (0 .. T-1) must be listed by some item and see at least one key.
+ * The inner loops run over 16 query heads at once, one AVX-512 vector.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+#if !defined(__AVX512F__)
+#error "kvmesh's CPU kernels need AVX-512 (cpu_kernels.py only builds them where the CPU has it)"
+#endif
+
+enum { LANES = 16, CHUNK = 128, TU = 8 /* keys (or d) per register tile */ };
+
+typedef struct {
+    int item, chunk, head;
+    int64_t part; /* offset of this task's partials: [nj_pad] max, [nj_pad] sum, [d][nj_pad] acc */
+} Task;
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    int hq, hkv, d, bs;
+    const int32_t *blocks, *kv_len, *bo, *qo, *nq, *qtok, *qlim;
+    float scale;
+} Args;
+
+static int64_t pad16(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
+
+/* One vector of LANES query heads (lane l of qt/s/lim/pm/pl/pacc; rows `stride` apart) against
+ * keys krow/vrow[0 .. n), which sit at positions c0 .. c0+n-1 of the item: scores into s,
+ * then the partials (max, sum of exponentials, exp-weighted V sums) into pm, pl, pacc. */
+/* exp(x) for x <= 0 (scores minus their max), 16 lanes; below -87 (and -inf) -> 0. Cephes'
+ * expf polynomial after Cody-Waite reduction (~1 ulp), scaled by 2^n with scalef. */
+static inline __m512 exp512_nonpos(__m512 x) {
+    __m512 low = _mm512_set1_ps(-87.0f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+    __m512 xc = _mm512_max_ps(x, low);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    y = _mm512_scalef_ps(y, n);
+    return _mm512_mask_blend_ps(tiny, y, _mm512_setzero_ps());
+}
+
+static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
+                  const float *const *krow, const float *const *vrow, int n, int c0, int d,
+                  float *pm, float *pl, float *pacc) {
+    __m512i limv = _mm512_loadu_si512(lim);
+    __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int t0 = 0; t0 < n; t0 += TU) {
+        __m512 acc[TU];
+        for (int u = 0; u < TU; u++) acc[u] = _mm512_setzero_ps();
+        for (int dd = 0; dd < d; dd++) {
+            __m512 qv = _mm512_loadu_ps(qt + dd * stride);
+            for (int u = 0; u < TU; u++)
+                acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(krow[t0 + u][dd]), qv, acc[u]);
+        }
+        int tu = n - t0 < TU ? n - t0 : TU;
+        for (int u = 0; u < tu; u++) {
+            __mmask16 seen = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(c0 + t0 + u), limv);
+            _mm512_storeu_ps(s + (t0 + u) * stride, _mm512_mask_blend_ps(seen, ninf, acc[u]));
+        }
+    }
+    __m512 mx = ninf, sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * stride));
+    /* A lane with no visible key here keeps sum 0 and is skipped by the merge. */
+    __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), mx,
+                                       _mm512_setzero_ps());
+    for (int t = 0; t < n; t++) {
+        __m512 p = exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t * stride), base));
+        _mm512_storeu_ps(s + t * stride, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(pm, mx);
+    _mm512_storeu_ps(pl, sum);
+    for (int d0 = 0; d0 < d; d0 += TU) {
+        __m512 acc[TU];
+        for (int u = 0; u < TU; u++) acc[u] = _mm512_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            __m512 pv = _mm512_loadu_ps(s + t * stride);
+            for (int u = 0; u < TU; u++)
+                acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(vrow[t][d0 + u]), pv, acc[u]);
+        }
+        for (int u = 0; u < TU; u++) _mm512_storeu_ps(pacc + (d0 + u) * stride, acc[u]);
+    }
+}
+
+
+/* One task: the partials of item `it`'s queries, query heads of KV head h, over keys
+ * [c0, c1) of the item. `scratch` holds (CHUNK + d) * nj_pad floats. */
+static void run_task(const Args *a, const Task *tk, float *parts, float *scratch) {
+    const int g = a->hq / a->hkv, d = a->d, h = tk->head, it = tk->item;
+    const int nj = a->nq[it] * g;
+    const int64_t njp = pad16(nj);
+    const int c0 = tk->chunk * CHUNK;
+    const int c1 = c0 + CHUNK < a->kv_len[it] ? c0 + CHUNK : a->kv_len[it];
+    const int n = c1 - c0;
+    float *qt = scratch;          /* [d][njp]: scaled queries, one lane per query head */
+    float *s = qt + d * njp;      /* [CHUNK][njp]: scores, then probabilities */
+    int32_t lim[njp];
+    const float *krow[CHUNK], *vrow[CHUNK];
+    const int32_t *qtok = a->qtok + a->qo[it], *qlim = a->qlim + a->qo[it];
+
+    for (int64_t j = 0; j < njp; j++) {
+        int valid = j < nj;
+        lim[j] = valid ? qlim[j / g] : c1; /* padding lanes see every key; dropped later */
+        const float *qv = valid ? a->q + ((int64_t)qtok[j / g] * a->hq + h * g + j % g) * d : 0;
+        for (int dd = 0; dd < d; dd++) qt[dd * njp + j] = valid ? qv[dd] * a->scale : 0.0f;
+    }
+    const int32_t *blocks = a->blocks + a->bo[it];
+    for (int t = 0; t < CHUNK; t++) { /* past n: copies of key 0, so tiles load valid memory */
+        int64_t slot = (int64_t)blocks[(c0 + (t < n ? t : 0)) / a->bs] * a->bs;
+        slot += (c0 + (t < n ? t : 0)) % a->bs;
+        krow[t] = a->k_cache + (slot * a->hkv + h) * d;
+        vrow[t] = a->v_cache + (slot * a->hkv + h) * d;
+    }
+
+    float *pm = parts + tk->part, *pl = pm + njp, *pacc = pl + njp;
+    for (int64_t j0 = 0; j0 < njp; j0 += LANES)
+        lanes(qt + j0, s + j0, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0, pacc + j0);
+}
+
+/* out = softmax(q . K) V for every row, over the keys its items give it.
+ * Returns 0, or -1 on bad sizes (d % 8, hq % hkv) or a failed allocation. */
+int kva_paged_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
+                        const int32_t *blocks, int T, int hq, int hkv, int d, int bs, int n_items,
+                        const int32_t *kv_len, const int32_t *bo, const int32_t *qo,
+                        const int32_t *nq, const int32_t *qtok, const int32_t *qlim, float scale,
+                        int nthreads) {
+    if (d % TU != 0 || hkv < 1 || hq % hkv != 0 || bs < 1 || T < 0) return -1;
+    const int g = hq / hkv;
+    Args a = {q, k_cache, v_cache, hq, hkv, d, bs, blocks, kv_len, bo, qo, nq, qtok, qlim, scale};
+    int64_t n_tasks = 0, part_floats = 0, max_njp = 0;
+    for (int i = 0; i < n_items; i++) {
+        int64_t njp = pad16((int64_t)nq[i] * g);
+        int64_t chunks = (kv_len[i] + CHUNK - 1) / CHUNK;
+        n_tasks += chunks * hkv;
+        part_floats += chunks * hkv * njp * (d + 2);
+        if (njp > max_njp) max_njp = njp;
+    }
+    Task *tasks = malloc(sizeof(Task) * (size_t)(n_tasks ? n_tasks : 1));
+    float *parts = malloc(sizeof(float) * (size_t)(part_floats ? part_floats : 1));
+    float *state = malloc(sizeof(float) * (size_t)T * hq * (d + 2)); /* max, sum, acc[d] */
+    if (!tasks || !parts || !state) {
+        free(tasks), free(parts), free(state);
+        return -1;
+    }
+    int64_t nt = 0, off = 0;
+    for (int i = 0; i < n_items; i++) {
+        int64_t njp = pad16((int64_t)nq[i] * g);
+        for (int c = 0; c * CHUNK < kv_len[i]; c++)
+            for (int h = 0; h < hkv; h++) {
+                tasks[nt++] = (Task){i, c, h, off};
+                off += njp * (d + 2);
+            }
+    }
+
+    const size_t scratch_floats = (size_t)(CHUNK + d) * max_njp;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *scratch = malloc(sizeof(float) * (scratch_floats ? scratch_floats : 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < nt; t++)
+            if (scratch) run_task(&a, &tasks[t], parts, scratch);
+        free(scratch);
+    }
+
+    /* Merge the partials per query head; heads of one KV head are merged by one thread. */
+    float *smax = state, *ssum = state + (int64_t)T * hq, *sacc = ssum + (int64_t)T * hq;
+    for (int64_t r = 0; r < (int64_t)T * hq; r++) smax[r] = -INFINITY, ssum[r] = 0.0f;
+    memset(sacc, 0, sizeof(float) * (size_t)T * hq * d);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int h = 0; h < hkv; h++) {
+        for (int64_t t = 0; t < nt; t++) {
+            const Task *tk = &tasks[t];
+            if (tk->head != h) continue;
+            int it = tk->item, nj = nq[it] * g;
+            int64_t njp = pad16(nj);
+            const float *pm = parts + tk->part, *pl = pm + njp, *pacc = pl + njp;
+            for (int j = 0; j < nj; j++) {
+                if (pl[j] == 0.0f) continue; /* no visible key in this chunk */
+                int64_t r = (int64_t)qtok[qo[it] + j / g] * hq + h * g + j % g;
+                float m = fmaxf(smax[r], pm[j]);
+                float a_old = smax[r] == -INFINITY ? 0.0f : expf(smax[r] - m);
+                float a_new = expf(pm[j] - m);
+                ssum[r] = ssum[r] * a_old + pl[j] * a_new;
+                for (int dd = 0; dd < d; dd++)
+                    sacc[r * d + dd] = sacc[r * d + dd] * a_old + pacc[dd * njp + j] * a_new;
+                smax[r] = m;
+            }
+        }
+    }
+    for (int64_t r = 0; r < (int64_t)T * hq; r++)
+        for (int dd = 0; dd < d; dd++) out[r * d + dd] = sacc[r * d + dd] / ssum[r];
+    free(tasks), free(parts), free(state);
+    return 0;
+}

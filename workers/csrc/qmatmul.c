@@ -1,0 +1,232 @@
+/* y = x @ W^T with W kept as GGUF's quantized blocks, for small batches on CPU.
+ *
+ * A decode step reads every weight once; in float32 that is 4 bytes per weight and a CPU
+ * step is bound by memory bandwidth. Kept as Q4_1 a weight is 0.625 bytes. Each weight is
+ * dequantized in registers to exactly the float32 value gguf's numpy dequantizer gives
+ * (d*q and d*q + m round once either way: d*q is exact in float32) and the products are
+ * summed in float32, so results differ from a float32 GEMM over the dequantized matrix only
+ * in summation order.
+ *
+ * GGUF block layouts (a row of W = K/32 blocks; d, m are IEEE half):
+ *   Q4_0: d, qs[16]     w[j] = d * ((qs[j] & 15) - 8), w[j+16] = d * ((qs[j] >> 4) - 8)
+ *   Q4_1: d, m, qs[16]  w[j] = d * (qs[j] & 15) + m,   w[j+16] = d * (qs[j] >> 4) + m
+ *   Q8_0: d, qs[32]     w[j] = d * (int8) qs[j]
+ *
+ * kvq_repack turns them into panels of 16 rows so that one vector holds one k of 16 output
+ * rows: the kernel broadcasts x[i, k] and accumulates y[i, n0:n0+16] with no horizontal sums,
+ * and dequantizes each weight once per 16 rows of x. Per panel, per 32-wide group g:
+ *   d[16] half; m[16] half (Q4_1 only);
+ *   Q4_x: q[16][16] bytes, q[j][r] = nibble j of row r | nibble j+16 of row r << 4;
+ *   Q8_0: q[32][16] int8, q[j][r] = weight j of row r.
+ * Rows past N in the last panel are zero. x is float32 [M, K], y float32 [M, N], row-major.
+ *
+ * Built by workers/cpu_kernels.py with `cc -O3 -march=native -fopenmp`, on AVX-512 CPUs.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+#if !defined(__AVX512F__) || !defined(__F16C__)
+#error "kvmesh's CPU kernels need AVX-512 (cpu_kernels.py only builds them where the CPU has it)"
+#endif
+
+enum { KVQ_Q4_0 = 2, KVQ_Q4_1 = 3, KVQ_Q8_0 = 8 }; /* ggml type ids */
+enum { PANEL = 16, GROUP = 32, MAX_ROWS = 16 /* x rows per pass */ };
+
+static int block_bytes(int type) {
+    switch (type) {
+    case KVQ_Q4_0: return 18;
+    case KVQ_Q4_1: return 20;
+    case KVQ_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* Bytes of one panel's record for one group. */
+static int64_t record_bytes(int type) {
+    switch (type) {
+    case KVQ_Q4_0: return 2 * PANEL + PANEL * 16;
+    case KVQ_Q4_1: return 4 * PANEL + PANEL * 16;
+    case KVQ_Q8_0: return 2 * PANEL + PANEL * 32;
+    default: return 0;
+    }
+}
+
+/* Bytes kvq_repack writes for an [n, k] weight; 0 for an unknown type or k % 32 != 0. */
+int64_t kvq_packed_bytes(int type, int64_t n, int64_t k) {
+    if (block_bytes(type) == 0 || k % GROUP != 0) return 0;
+    return (n + PANEL - 1) / PANEL * (k / GROUP) * record_bytes(type);
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13); /* inf / nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal half: normalise */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The 32 float32 weights of one GGUF block into out[32]. */
+static void dequant_block(int type, const uint8_t *b, float *out) {
+    float d = half_to_float(load_u16(b));
+    if (type == KVQ_Q8_0) {
+        for (int j = 0; j < 32; j++) out[j] = d * (float)(int8_t)b[2 + j];
+        return;
+    }
+    const uint8_t *qs = b + (type == KVQ_Q4_1 ? 4 : 2);
+    float m = type == KVQ_Q4_1 ? half_to_float(load_u16(b + 2)) : 0.0f;
+    for (int j = 0; j < 16; j++) {
+        if (type == KVQ_Q4_1) {
+            out[j] = d * (float)(qs[j] & 15) + m;
+            out[j + 16] = d * (float)(qs[j] >> 4) + m;
+        } else {
+            out[j] = d * (float)((qs[j] & 15) - 8);
+            out[j + 16] = d * (float)((qs[j] >> 4) - 8);
+        }
+    }
+}
+
+/* GGUF blocks of W [n, k] -> float32 [n, k]; 0, or -1 for an unknown type / bad k. */
+int kvq_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out) {
+    int bb = block_bytes(type);
+    if (bb == 0 || k % GROUP != 0) return -1;
+    int64_t nb = k / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t g = 0; g < nb; g++)
+            dequant_block(type, w + (r * nb + g) * bb, out + r * k + g * GROUP);
+    return 0;
+}
+
+/* GGUF blocks of W [n, k] -> panels (kvq_packed_bytes(type, n, k) bytes at out). */
+int kvq_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    int64_t total = kvq_packed_bytes(type, n, k);
+    if (total == 0) return -1;
+    memset(out, 0, (size_t)total);
+    int bb = block_bytes(type);
+    int64_t nb = k / GROUP, rec = record_bytes(type);
+    for (int64_t r = 0; r < n; r++) {
+        int64_t p = r / PANEL, lane = r % PANEL;
+        for (int64_t g = 0; g < nb; g++) {
+            const uint8_t *b = w + (r * nb + g) * bb;
+            uint8_t *o = out + (p * nb + g) * rec;
+            memcpy(o + 2 * lane, b, 2); /* d */
+            if (type == KVQ_Q8_0) {
+                for (int j = 0; j < 32; j++) o[2 * PANEL + j * PANEL + lane] = b[2 + j];
+                continue;
+            }
+            int scales = type == KVQ_Q4_1 ? 2 : 1;
+            if (type == KVQ_Q4_1) memcpy(o + 2 * PANEL + 2 * lane, b + 2, 2); /* m */
+            /* A GGUF byte j already holds nibbles j and j+16 of this row. */
+            for (int j = 0; j < 16; j++) o[2 * scales * PANEL + j * PANEL + lane] = b[2 * scales + j];
+        }
+    }
+    return 0;
+}
+
+/* y[0:mb, n0:n0+16] for one panel; mb <= MAX_ROWS. Constant type and mb per call site. */
+static inline __attribute__((always_inline)) void panel(int type, const float *x, int64_t k,
+                                                        const uint8_t *pw, int mb, float *y,
+                                                        int64_t n, int64_t n0) {
+    int64_t nb = k / GROUP, rec = record_bytes(type);
+    __m512 acc[MAX_ROWS];
+    for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *o = pw + g * rec;
+        const float *xg = x + g * GROUP;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
+        if (type == KVQ_Q8_0) {
+            const uint8_t *q = o + 2 * PANEL;
+            for (int j = 0; j < 32; j++) {
+                __m128i qb = _mm_loadu_si128((const __m128i *)(q + j * PANEL));
+                __m512 w = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qb)));
+                for (int i = 0; i < mb; i++)
+                    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xg[i * k + j]), w, acc[i]);
+            }
+            continue;
+        }
+        __m512 m;
+        const uint8_t *q;
+        if (type == KVQ_Q4_1) {
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 2 * PANEL)));
+            q = o + 4 * PANEL;
+        } else {
+            m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)); /* d*(q-8) = d*q - 8d, all exact */
+            q = o + 2 * PANEL;
+        }
+        for (int j = 0; j < 16; j++) {
+            __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * PANEL)));
+            __m512i qlo = _mm512_and_si512(qb, _mm512_set1_epi32(15));
+            __m512i qhi = _mm512_srli_epi32(qb, 4);
+            __m512 wlo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(qlo), m); /* d*q exact */
+            __m512 whi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(qhi), m);
+            for (int i = 0; i < mb; i++) {
+                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xg[i * k + j]), wlo, acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xg[i * k + j + 16]), whi, acc[i]);
+            }
+        }
+    }
+    int64_t left = n - n0;
+    __mmask16 mask = left >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    for (int i = 0; i < mb; i++) _mm512_mask_storeu_ps(y + i * n + n0, mask, acc[i]);
+}
+
+#define PANEL_MB(T, MB)                                                                  \
+    case MB: panel(T, xm, k, pw, MB, ym, n, n0); break;
+
+#define MATMUL_TYPE(T)                                                                   \
+    static void matmul_##T(const float *x, int64_t m, int64_t k, const uint8_t *w,       \
+                           int64_t n, float *y, int nthreads) {                          \
+        int64_t panels = (n + PANEL - 1) / PANEL, stride = (k / GROUP) * record_bytes(T); \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")               \
+        for (int64_t p = 0; p < panels; p++) {                                           \
+            const uint8_t *pw = w + p * stride;                                          \
+            int64_t n0 = p * PANEL;                                                      \
+            for (int64_t m0 = 0; m0 < m; m0 += MAX_ROWS) {                               \
+                const float *xm = x + m0 * k;                                            \
+                float *ym = y + m0 * n;                                                  \
+                switch (m - m0 < MAX_ROWS ? (int)(m - m0) : MAX_ROWS) {                  \
+                    PANEL_MB(T, 16) PANEL_MB(T, 15) PANEL_MB(T, 14) PANEL_MB(T, 13)      \
+                    PANEL_MB(T, 12) PANEL_MB(T, 11) PANEL_MB(T, 10) PANEL_MB(T, 9)       \
+                    PANEL_MB(T, 8) PANEL_MB(T, 7) PANEL_MB(T, 6) PANEL_MB(T, 5)          \
+                    PANEL_MB(T, 4) PANEL_MB(T, 3) PANEL_MB(T, 2) PANEL_MB(T, 1)          \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+    }
+
+MATMUL_TYPE(KVQ_Q4_0)
+MATMUL_TYPE(KVQ_Q4_1)
+MATMUL_TYPE(KVQ_Q8_0)
+
+/* y [m, n] = x [m, k] @ W^T, W as kvq_repack panels; 0, or -1 for an unknown type / bad k. */
+int kvq_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
+               float *y, int nthreads) {
+    if (kvq_packed_bytes(type, n, k) == 0) return -1;
+    switch (type) {
+    case KVQ_Q4_0: matmul_KVQ_Q4_0(x, m, k, w, n, y, nthreads); return 0;
+    case KVQ_Q4_1: matmul_KVQ_Q4_1(x, m, k, w, n, y, nthreads); return 0;
+    default: matmul_KVQ_Q8_0(x, m, k, w, n, y, nthreads); return 0;
+    }
+
+}
