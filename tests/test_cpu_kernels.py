@@ -17,7 +17,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.workers.attention import TorchAttentionBackend
 from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.loader import load_weights
-from kvmesh.workers.qmatmul import QuantizedWeight, dequantize, pack, qmatmul
+from kvmesh.workers.qmatmul import QuantizedWeight, dequantize, fuse, pack, qmatmul
 from tests.gguf_helpers import write_gguf
 from tests.test_attention import make_case
 
@@ -135,3 +135,17 @@ def test_engine_on_quantized_gguf_matches_hf_from_the_same_file(tmp_path: Path) 
         assert q.token_ids == want == p.token_ids
         for tok, a, b in zip(q.token_ids, q.logprobs, p.logprobs, strict=True):
             assert abs(a[tok] - b[tok]) < 1e-4
+
+
+def test_fused_projections_equal_separate_ones() -> None:
+    (a, _), (b, _), (c, _) = (quantized(n, 64, GT.Q4_1, seed=n) for n in (32, 16, 48))
+    pa, pb, pc = pack(a), pack(b), pack(c)
+    fused, views = fuse([pa, pb, pc])
+    x = torch.randn(5, 64)
+    assert torch.equal(qmatmul(x, fused), torch.cat([qmatmul(x, w) for w in (pa, pb, pc)], 1))
+    assert all(torch.equal(v.panels, w.panels) for v, w in zip(views, (pa, pb, pc), strict=True))
+    assert views[1].panels.data_ptr() == fused.panels.data_ptr() + len(pa.panels)  # views
+    odd, _ = quantized(17, 64, GT.Q4_1)
+    other, _ = quantized(16, 64, GT.Q8_0)
+    assert fuse([pa, pack(odd)]) is None  # a partial panel would shift the rows after it
+    assert fuse([pa, pack(other)]) is None

@@ -45,7 +45,8 @@ def test_built_wheel_holds_only_kvmesh(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.startswith("kvmesh-")}
     assert tops == {"kvmesh"}
-    for module in ("workers/block_pool.py", "connector/__init__.py", "cluster/cli.py"):
+    kernels = ("workers/csrc/qmatmul.c", "workers/csrc/paged_attention.c")
+    for module in ("workers/block_pool.py", "connector/__init__.py", "cluster/cli.py", *kernels):
         assert f"kvmesh/{module}" in names
     target = tmp_path / "site"
     subprocess.run(

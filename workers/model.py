@@ -20,7 +20,7 @@ from torch import nn
 from kvmesh.workers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.model_config import ModelConfig
-from kvmesh.workers.qmatmul import PackedWeight, QuantizedWeight, pack, qmatmul
+from kvmesh.workers.qmatmul import PackedWeight, QuantizedWeight, fuse, pack, qmatmul
 
 # Rows of the RoPE table built at first use (capped by max_position_embeddings); it grows
 # (at least doubling) when a step needs more.
@@ -52,6 +52,18 @@ class Linear(nn.Linear):
             y = qmatmul(x, self.qweight)
             return y if self.bias is None else y + self.bias
         return super().forward(x)
+
+
+def project(
+    x: torch.Tensor, layers: list[Linear], fused: PackedWeight | None
+) -> list[torch.Tensor]:
+    """Each layer applied to x; through one kernel call over their concatenated quantized
+    panels when `fused` is set (the outputs are then column slices of one tensor)."""
+    if fused is None:
+        return [layer(x) for layer in layers]
+    outs = qmatmul(x, fused).split([layer.out_features for layer in layers], dim=1)
+    pairs = zip(outs, layers, strict=True)
+    return [o if layer.bias is None else o + layer.bias for o, layer in pairs]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -101,6 +113,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(h, config.kv_size, bias=bias)
         self.v_proj = Linear(h, config.kv_size, bias=bias)
         self.o_proj = Linear(config.q_size, h, bias=False)
+        self.qkv: PackedWeight | None = None  # q, k, v quantized panels fused (use_quantized)
 
     def forward(
         self,
@@ -111,9 +124,10 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], self.qkv)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)  # [N, bs, Hkv, D] each
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
@@ -127,9 +141,11 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(h, i, bias=False)
         self.up_proj = Linear(h, i, bias=False)
         self.down_proj = Linear(i, h, bias=False)
+        self.gate_up: PackedWeight | None = None  # gate, up quantized panels fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, [T, I] inside
+        gate, up = project(x, [self.gate_proj, self.up_proj], self.gate_up)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -250,6 +266,10 @@ class LlamaForCausalLM(nn.Module):
                 del module.weight  # frees the float32 copy; state_dict() no longer lists it
                 module.register_parameter("weight", None)
             taken += 1
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = _fuse_into([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up = _fuse_into([mlp.gate_proj, mlp.up_proj])
         return taken
 
     def load_state_dict(
@@ -258,3 +278,17 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and "lm_head.weight" in state_dict:
             state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _fuse_into(layers: list[Linear]) -> PackedWeight | None:
+    """The layers' panels fused into one weight (each layer's qweight becomes a view of it),
+    or None when they cannot fuse."""
+    ws = [layer.qweight for layer in layers]
+    if any(w is None for w in ws):
+        return None
+    fused = fuse([w for w in ws if w is not None])
+    if fused is None:
+        return None
+    for layer, view in zip(layers, fused[1], strict=True):
+        layer.qweight = view
+    return fused[0]

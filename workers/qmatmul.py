@@ -70,6 +70,29 @@ def pack(w: QuantizedWeight) -> PackedWeight:
     return PackedWeight(w.ggml_type, panels, n, k)
 
 
+def fuse(ws: list[PackedWeight]) -> tuple[PackedWeight, list[PackedWeight]] | None:
+    """One weight whose output rows are `ws`' rows back to back, so that projections of the
+    same input (q/k/v, gate/up) take one kernel call; plus `ws` again as views into it (no
+    second copy). None unless they share type and input size and each fills whole 16-row
+    panels (then the panels simply concatenate)."""
+    first = ws[0]
+    if any(
+        w.ggml_type != first.ggml_type or w.in_features != first.in_features or w.out_features % 16
+        for w in ws
+    ):
+        return None
+    panels = torch.cat([w.panels for w in ws])
+    views, offset = [], 0
+    for w in ws:
+        views.append(PackedWeight(w.ggml_type, panels[offset : offset + len(w.panels)],
+                                  w.out_features, w.in_features))  # fmt: skip
+        offset += len(w.panels)
+    fused = PackedWeight(
+        first.ggml_type, panels, sum(w.out_features for w in ws), first.in_features
+    )
+    return fused, views
+
+
 def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x float32 [M, K] (CPU) @ W^T -> float32 [M, N]."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
