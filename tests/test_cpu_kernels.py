@@ -17,6 +17,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.workers.attention import TorchAttentionBackend
 from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.loader import load_weights
+from kvmesh.workers.model import LlamaForCausalLM
 from kvmesh.workers.qmatmul import QuantizedWeight, dequantize, fuse, pack, qmatmul
 from tests.gguf_helpers import write_gguf
 from tests.test_attention import make_case
@@ -69,6 +70,13 @@ def test_bad_inputs_raise_value_error() -> None:
         QuantizedWeight(int(GT.Q4_1), qw.blocks[:, :20].contiguous(), 64)
     with pytest.raises(ValueError, match="in_features"):
         QuantizedWeight(int(GT.Q4_1), qw.blocks, 48)
+    w = load_weights("tiny-random", progress=False)
+    model = LlamaForCausalLM(w.config, TorchAttentionBackend())
+    for name in ("model.layers.0.self_attn.q_proj.bias", "model.norm.weight", "model.x.weight"):
+        with pytest.raises(ValueError, match="is not a linear layer's weight"):
+            model.use_quantized({name: qw})
+    with pytest.raises(ValueError, match=r"is \(16, 64\), the model has \(64, 64\)"):
+        model.use_quantized({"model.layers.0.self_attn.q_proj.weight": qw})
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 1), (4, 4)])

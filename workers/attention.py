@@ -247,16 +247,14 @@ class _TorchPlan:
         num_kv_heads: int,
         group: int,
         dtype: torch.dtype,
-        kernel_rows: list[int],
+        for_kernel: list[int],
     ) -> None:
         device = meta.block_tables.device
         starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
         self.kernel: CpuAttentionPlan | None = None
-        if kernel_rows:
-            self.kernel = CpuAttentionPlan(
-                meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables, kernel_rows, block_size
-            )
-        taken = set(kernel_rows)
+        if for_kernel:
+            self.kernel = CpuAttentionPlan(meta, starts, for_kernel, block_size)
+        taken = set(for_kernel)
         decode = [b for b, ql in enumerate(meta.query_lens_cpu) if ql == 1 and b not in taken]
         # Decode rows sharing a leading run of blocks take the cascade; the rest the plain path.
         self.cascade: CascadeDecode | None = None

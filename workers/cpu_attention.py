@@ -9,10 +9,15 @@ cascade of cascade_attention.py). Long prefills stay with SDPA, which is compute
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvmesh.workers.cascade_attention import find_shared_prefix
 from kvmesh.workers.cpu_kernels import require_library
+
+if TYPE_CHECKING:  # attention.py imports this module
+    from kvmesh.workers.attention import AttentionMetadata
 
 # Rows with more new tokens than this go to SDPA.
 KERNEL_MAX_QUERY_LEN = 32
@@ -26,16 +31,14 @@ class CpuAttentionPlan:
     """
 
     def __init__(
-        self,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: torch.Tensor,  # int32 [B, W] (CPU)
-        rows: list[int],
-        block_size: int,
+        self, meta: AttentionMetadata, starts: list[int], rows: list[int], block_size: int
     ) -> None:
-        starts = [0]
-        for ql in query_lens:
-            starts.append(starts[-1] + ql)
+        """`starts`: each row's first token in the flat batch, then the total."""
+        query_lens, seq_lens, block_tables = (
+            meta.query_lens_cpu,
+            meta.seq_lens_cpu,
+            meta.block_tables,
+        )
         tokens: list[int] = []
         first: dict[int, int] = {}  # row -> index of its first token among `tokens`
         for b in rows:

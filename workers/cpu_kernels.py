@@ -77,7 +77,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "kvq_packed_bytes": (i64, [i32, i64, i64]),
         "kvq_repack": (i32, [i32, ptr, i64, i64, ptr]),
-        "kvq_dequantize": (i32, [i32, ptr, i64, i64, ptr]),
         "kvq_matmul": (i32, [i32, ptr, i64, i64, ptr, i64, ptr, i32]),
         "kva_paged_attention": (i32, [ptr] * 5 + [i32] * 6 + [ptr] * 6 + [ctypes.c_float, i32]),
     }

@@ -252,7 +252,10 @@ class LlamaForCausalLM(nn.Module):
                     continue  # an untied embedding is only looked up, never multiplied
                 module, shape = None, tuple(param.shape)
             else:
-                module = self.get_submodule(name.removesuffix(".weight"))
+                try:
+                    module = self.get_submodule(name.removesuffix(".weight"))
+                except AttributeError:
+                    module = None
                 if not isinstance(module, Linear) or not name.endswith(".weight"):
                     raise ValueError(f"quantized: {name!r} is not a linear layer's weight")
                 shape = (module.out_features, module.in_features)

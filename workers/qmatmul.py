@@ -117,10 +117,7 @@ def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
-    """The float32 [N, K] weight, equal to what gguf's numpy dequantizer gives."""
-    out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
-    rc = require_library().kvq_dequantize(
-        w.ggml_type, w.blocks.data_ptr(), w.out_features, w.in_features, out.data_ptr()
-    )
-    assert rc == 0, "QuantizedWeight validated type and shape"
-    return out
+    """The float32 [N, K] weight as the kernel sees it: identity @ W^T through `qmatmul` itself
+    (each output sums one 1 * w and zeros, which is exact), so it checks the kernel's own
+    in-register dequantization against gguf's."""
+    return qmatmul(torch.eye(w.in_features), pack(w)).T.contiguous()

@@ -59,65 +59,6 @@ int64_t kvq_packed_bytes(int type, int64_t n, int64_t k) {
     return (n + PANEL - 1) / PANEL * (k / GROUP) * record_bytes(type);
 }
 
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000 | (man << 13); /* inf / nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal half: normalise */
-        exp = 113;
-        while (!(man & 0x400)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static uint16_t load_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* The 32 float32 weights of one GGUF block into out[32]. */
-static void dequant_block(int type, const uint8_t *b, float *out) {
-    float d = half_to_float(load_u16(b));
-    if (type == KVQ_Q8_0) {
-        for (int j = 0; j < 32; j++) out[j] = d * (float)(int8_t)b[2 + j];
-        return;
-    }
-    const uint8_t *qs = b + (type == KVQ_Q4_1 ? 4 : 2);
-    float m = type == KVQ_Q4_1 ? half_to_float(load_u16(b + 2)) : 0.0f;
-    for (int j = 0; j < 16; j++) {
-        if (type == KVQ_Q4_1) {
-            out[j] = d * (float)(qs[j] & 15) + m;
-            out[j + 16] = d * (float)(qs[j] >> 4) + m;
-        } else {
-            out[j] = d * (float)((qs[j] & 15) - 8);
-            out[j + 16] = d * (float)((qs[j] >> 4) - 8);
-        }
-    }
-}
-
-/* GGUF blocks of W [n, k] -> float32 [n, k]; 0, or -1 for an unknown type / bad k. */
-int kvq_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out) {
-    int bb = block_bytes(type);
-    if (bb == 0 || k % GROUP != 0) return -1;
-    int64_t nb = k / GROUP;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t g = 0; g < nb; g++)
-            dequant_block(type, w + (r * nb + g) * bb, out + r * k + g * GROUP);
-    return 0;
-}
-
 /* GGUF blocks of W [n, k] -> panels (kvq_packed_bytes(type, n, k) bytes at out). */
 int kvq_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
     int64_t total = kvq_packed_bytes(type, n, k);
