@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+# Resumed tokens replayed one at a time (see Detokenizer.replay); far more than any
+# tokenizer's decoder looks back.
+REPLAY_WINDOW = 64
+
 
 class Detokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
@@ -40,6 +44,23 @@ class Detokenizer:
         delta = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return delta
+
+    def replay(self, token_ids: Sequence[int], window: int = REPLAY_WINDOW) -> None:
+        """Take the state that streaming ``token_ids`` one at a time (none final) leaves,
+        emitting nothing: for a request resumed after another worker streamed these tokens.
+
+        What a stream released can depend on the way there when a tokenizer rewrites earlier
+        text as tokens follow (a dangling byte becoming a character, cleaned-up spaces), so
+        the last ``window`` tokens are fed one at a time, as the stream fed them; the ones
+        before go in one decode. Exact when no token rewrites text more than ``window``
+        tokens back, which holds for byte-level BPE, SentencePiece and WordPiece decoders;
+        feeding every token would cost O(len(token_ids)^2) characters decoded.
+        """
+        head = max(0, len(token_ids) - window)
+        if head:
+            self.update(token_ids[:head])
+        for n in range(head + 1, len(token_ids) + 1):
+            self.update(token_ids[:n])
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""

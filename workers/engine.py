@@ -56,7 +56,7 @@ class _Tracked:
 
     request: Request
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # the sampling randomness of output position i is a function of (seed, i)
     detokenizer: Detokenizer
     prompt: str | None
     on_delta: DeltaCallback | None
@@ -134,9 +134,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         on_delta: DeltaCallback | None = None,
+        *,
+        resumed_token_ids: Sequence[int] = (),
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError."""
-        return self.enqueue(self.make_request(prompt, params, request_id, on_delta))
+        return self.enqueue(
+            self.make_request(
+                prompt, params, request_id, on_delta, resumed_token_ids=resumed_token_ids
+            )
+        )
 
     def make_request(
         self,
@@ -144,8 +150,21 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         on_delta: DeltaCallback | None = None,
+        *,
+        resumed_token_ids: Sequence[int] = (),
     ) -> _Tracked:
-        """Validate a request without queuing it (so a batch is all or nothing)."""
+        """Validate a request without queuing it (so a batch is all or nothing).
+
+        ``resumed_token_ids`` resumes a request cut off elsewhere: the output tokens that
+        another worker already generated and streamed (text included). They are prefilled
+        with the prompt, count toward ``max_tokens``, and are replayed through the
+        detokenizer without a delta; sampling goes on at output position
+        ``len(resumed_token_ids)``, so with the same seed (and the same params) the new tokens
+        and deltas are exactly those the unbroken run would have streamed after them. The
+        final ``RequestOutput`` has the original prompt as ``prompt_token_ids``, the resumed
+        plus new tokens as ``token_ids``, the full text, and logprobs of the new tokens only
+        (``num_resumed_tokens`` says where they start).
+        """
         params = params or SamplingParams()
         token_ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
         text = prompt if isinstance(prompt, str) else None
@@ -154,6 +173,7 @@ class LLMEngine:
                 f"prompt: {len(token_ids)} tokens is longer than the context "
                 f"({self.max_model_len} tokens, one kept for the answer)"
             )
+        resumed = self._check_resumed(resumed_token_ids, len(token_ids), params)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: the prompt's {len(token_ids)} tokens plus max_tokens "
@@ -163,10 +183,50 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise ValueError(f"request_id: {rid!r} is already running")
-        req = Request(rid, token_ids, self.config.block_size, self.fingerprint.namespace, params)
+        detokenizer = Detokenizer(self.tokenizer, params.stop)
+        # The client already has the resumed tokens' text: only the state that streaming
+        # them left is needed, so the next delta holds back (or releases) what it would have.
+        detokenizer.replay(resumed)
+        if detokenizer.stopped_by is not None:
+            raise ValueError(
+                f"resumed_token_ids: their text holds the stop string "
+                f"{detokenizer.stopped_by!r}, so the request has already finished"
+            )
+        req = Request(
+            rid, token_ids, self.config.block_size, self.fingerprint.namespace, params, resumed
+        )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        gen = torch.Generator().manual_seed(seed)
-        return _Tracked(req, params, gen, Detokenizer(self.tokenizer, params.stop), text, on_delta)
+        return _Tracked(req, params, seed, detokenizer, text, on_delta)
+
+    def _check_resumed(
+        self, resumed_token_ids: Sequence[int], num_prompt_tokens: int, params: SamplingParams
+    ) -> list[int]:
+        """The resumed tokens as a list, or ValueError naming ``resumed_token_ids`` when no
+        unbroken run could have streamed them and still be running."""
+        resumed = list(resumed_token_ids)
+        vocab = self.model_config.vocab_size
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in resumed
+        ):
+            raise ValueError(f"resumed_token_ids: token ids must be integers in [0, {vocab})")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(
+                f"resumed_token_ids: {len(resumed)} tokens leave nothing to generate under "
+                f"max_tokens {params.max_tokens}"
+            )
+        if num_prompt_tokens + len(resumed) >= self.max_model_len:
+            raise ValueError(
+                f"resumed_token_ids: the prompt's {num_prompt_tokens} tokens plus "
+                f"{len(resumed)} resumed tokens leave no room in the context of "
+                f"{self.max_model_len} tokens"
+            )
+        enders = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if enders.intersection(resumed):
+            raise ValueError(
+                "resumed_token_ids: they hold a stop or EOS token, so the request has already "
+                "finished"
+            )
+        return resumed
 
     def enqueue(self, tracked: _Tracked) -> str:
         rid = tracked.request.request_id
@@ -201,7 +261,12 @@ class LLMEngine:
             return []
         logits = self.runner.run(batch, [self.kv.get_block_ids(s.request) for s in batch])
         sampling = [self._tracked[s.request.request_id] for s in batch if s.samples]
-        tokens = sample(logits, [t.params for t in sampling], [t.generator for t in sampling])
+        tokens = sample(
+            logits,
+            [t.params for t in sampling],
+            [t.seed for t in sampling],
+            [len(t.request.output_token_ids) for t in sampling],
+        )
         self._record_logprobs(logits, sampling, tokens)
         now = time.perf_counter()
         for s in batch:
@@ -257,11 +322,12 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
-            token_ids=list(req.output_token_ids),
-            text=t.detokenizer.text,
+            token_ids=list(req.output_token_ids),  # resumed tokens first
+            text=t.detokenizer.text,  # the resumed tokens' text included
             finish_reason=t.finish_reason,
             metrics=req.metrics,
             stop_reason=t.stop_reason,
             prompt=t.prompt,
-            logprobs=t.logprobs,
+            logprobs=t.logprobs,  # the tokens generated here, after the resumed ones
+            num_resumed_tokens=req.num_resumed_tokens,
         )

@@ -23,6 +23,10 @@ class Request:
 
     ``block_hashes`` grows with the sequence: every full block, prompt or output, gets a
     chained hash, so decoded blocks can be cached and shared too.
+
+    ``resumed_token_ids`` are output tokens generated elsewhere (a request cut off on another
+    worker): they start ``output_token_ids`` and are prefilled with the prompt, since their KV
+    is not here (a prefix hit or pull can still supply it: their blocks hash as usual).
     """
 
     def __init__(
@@ -32,12 +36,14 @@ class Request:
         block_size: int,
         namespace: bytes,
         params: Any = None,
+        resumed_token_ids: Sequence[int] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt: must hold at least one token")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(resumed_token_ids)
+        self.num_resumed_tokens = len(self.output_token_ids)
         self.params = params
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
@@ -45,6 +51,7 @@ class Request:
         self.num_computed_tokens = 0
         self._hasher = BlockHasher(block_size, namespace)
         self._hasher.extend(self.prompt_token_ids)
+        self._hasher.extend(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,22 +1,44 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with a generator per request."""
+"""Batched sampling: greedy, temperature, top-k, top-p, with randomness keyed by position.
+
+The random draw for a request's output token number ``i`` (``i`` output tokens before it) comes
+from a generator seeded with ``position_seed(seed, i)``: a function of the request's seed and
+``i`` alone. Neither the batch nor what the request drew before changes it, so a request cut
+off on one worker and resumed on another (or preempted and recomputed) draws the same tokens
+as the unbroken run.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from kvmesh.workers.sampling_params import SamplingParams
 
 
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for output position ``position`` of a request seeded ``seed``.
+
+    xxh3-64 of canonical bytes (decimal text, so any Python int works): the same on every
+    process and machine, unlike Python's ``hash()``. 63 bits fit every ``manual_seed``.
+    """
+    return xxhash.xxh3_64_intdigest(b"kvmesh-sample:%d:%d" % (seed, position)) >> 1
+
+
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
 ) -> list[int]:
     """One token per row of ``logits`` [B, V] (float32).
 
     Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
-    top-p, and sampled with the exponential-race trick (argmax of p / Exp(1) noise) using the
-    row's own generator, so a seeded request draws the same tokens in any batch.
+    top-p, and sampled with the exponential-race trick (argmax of p / Exp(1) noise). Row ``r``'s
+    noise comes from a fresh generator seeded with ``position_seed(seeds[r], positions[r])``
+    (``positions[r]``: the row's count of output tokens so far), so a seeded request draws the
+    same token at the same position in any batch, on any worker.
     """
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -31,13 +53,13 @@ def sample(
             torch.tensor([params[i].top_p for i in rows], device=logits.device),
         )
         probs = sub.softmax(dim=-1)
-        noise = torch.stack(
-            [
-                torch.empty(probs.shape[1], device="cpu").exponential_(generator=generators[i])
-                for i in rows
-            ]
-        ).to(probs.device)
-        out[idx] = (probs / noise).argmax(dim=-1)
+        # A generator per row and step costs a few microseconds, far below the draw itself;
+        # drawn on the CPU so the noise is the same whatever device the model runs on.
+        noise = torch.empty(len(rows), probs.shape[1], device="cpu")
+        for j, i in enumerate(rows):
+            gen = torch.Generator().manual_seed(position_seed(seeds[i], positions[i]))
+            noise[j].exponential_(generator=gen)
+        out[idx] = (probs / noise.to(probs.device)).argmax(dim=-1)
     return out.tolist()
 
 

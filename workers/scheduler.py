@@ -97,7 +97,8 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.perf_counter()
                 req.metrics.num_cached_tokens = alloc.num_local_hit_tokens
                 req.metrics.num_pulled_tokens = alloc.num_loaded_tokens
-                req.metrics.num_computed_tokens = req.num_prompt_tokens - alloc.num_computed_tokens
+                # num_tokens: the prompt, and a resumed request's resumed tokens, all prefilled.
+                req.metrics.num_computed_tokens = req.num_tokens - alloc.num_computed_tokens
             # A failed load leaves more to compute; the blocks allocated already cover it.
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             req.status = RequestStatus.RUNNING
