@@ -8,6 +8,14 @@ False: the manager computes those tokens instead, so wrong KV is never used.
 
 Events for the index (``Stored`` / ``Removed`` / ``Cleared``) are buffered on the step thread
 and sent by a publisher thread in batches, so a step never waits on the index.
+
+The index is a hint, and it can die. Every index call goes through :meth:`_call`: a dead or
+restarting index makes the connector re-resolve the named actor (``get_index_actor``, which
+creates a new one when the old one was killed for good; at most every ``RESOLVE_INTERVAL_S``)
+and marks it "must rejoin"; the publisher thread then registers again and sends a full
+snapshot, as it does when a heartbeat shows another incarnation or an unknown worker. Until
+then lookups answer 0 and flushes return at once. No index failure escapes a connector method:
+raised out of a worker actor's call, a RayActorError would read as the *worker* having died.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from kvmesh.connector.events import EventPublisher
 from kvmesh.connector.index_actor import get_index_actor
@@ -31,6 +40,17 @@ from kvmesh.workers.kv_connector import KvCacheConnector
 logger = logging.getLogger(__name__)
 # The first worker of a model starts the index actor: a new process, seconds on a busy host.
 REGISTER_TIMEOUT_S = 120.0
+# Least time between two look-ups of the index actor by name, and between two rejoin tries.
+RESOLVE_INTERVAL_S = 0.5
+WARN_INTERVAL_S = 5.0  # index warnings are logged at most this often (the rest are counted)
+
+
+class IndexUnavailable(Exception):
+    """An index call failed: the index is dead, restarting, slow, or refused the call.
+
+    Deliberately not a RayActorError: raised out of a worker actor's method, that would tell
+    the caller the worker died.
+    """
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,16 @@ class ClusterKvConnector(KvCacheConnector):
         self.transport: BlockTransport = make_transport(
             config.transport, ctx.worker_id, ctx.kv_cache, ctx.fingerprint.id
         )
-        self.index = get_index_actor(ctx.fingerprint.id)
+        self._fingerprint_id = ctx.fingerprint.id
+        self.index = get_index_actor(self._fingerprint_id)
+        self._resolve_lock = threading.Lock()
+        self._resolved_at = float("-inf")
+        self._incarnation: str | None = None  # of the index we registered with
+        self._must_rejoin = False  # the index died or forgot us: register again, snapshot
+        self._losses = 0  # index failures that call for a rejoin, ever
+        self._next_rejoin = 0.0
+        self._warned_at = -WARN_INTERVAL_S
+        self._suppressed = 0
         self._service: Callable[[], None] = lambda: None
         self._planned: tuple[str, int] | None = None  # (holder, blocks) from the last lookup
         self._peers: dict[str, Any] = {}  # worker id -> actor handle, once added to transport
@@ -72,10 +101,15 @@ class ClusterKvConnector(KvCacheConnector):
             "pull_failures": 0,
             "batches_sent": 0,
             "snapshots_sent": 0,
+            "index_errors": 0,
+            "rejoins": 0,
         }
         self._handle = ray.get_runtime_context().current_actor
-        self._fingerprint_id = ctx.fingerprint.id
-        self._register()
+        try:
+            self._register()
+        except IndexUnavailable as e:  # serve without the index; the publisher rejoins
+            self._must_rejoin = True
+            self._warn("registering with the index failed: %s", e)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._publish_loop, name=f"{self.worker_id}-publish", daemon=True
@@ -83,16 +117,73 @@ class ClusterKvConnector(KvCacheConnector):
         self._thread.start()
 
     def _register(self) -> None:
-        ray.get(
-            self.index.register.remote(
-                self.worker_id,
-                self._fingerprint_id,
-                # Peers find our transport info and actor handle here (pins go to the handle).
-                {"transport": self.transport.local_info(), "handle": self._handle},
-                self._handle,
-            ),
-            timeout=REGISTER_TIMEOUT_S,
+        self._incarnation = self._call(
+            "register",
+            self.worker_id,
+            self._fingerprint_id,
+            # Peers find our transport info and actor handle here (pins go to the handle).
+            {"transport": self.transport.local_info(), "handle": self._handle},
+            self._handle,
+            timeout_s=REGISTER_TIMEOUT_S,
         )
+
+    # -- index calls --------------------------------------------------------------------------
+
+    def _call(
+        self, method: str, *args: Any, timeout_s: float | None = None, serve: bool = False
+    ) -> Any:
+        """Call an index method; every failure raises IndexUnavailable.
+
+        ``serve``: wait with :meth:`_wait` (the step thread keeps serving peers' pins). A dead
+        or restarting index is re-resolved and calls for a rejoin, and so does an error raised
+        inside the index (e.g. it no longer knows this worker); a timeout only raises.
+        """
+        index = self.index
+        try:
+            ref = getattr(index, method).remote(*args)
+            if serve:
+                return self._wait(ref)
+            return ray.get(ref, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
+        except RayActorError as e:  # killed, crashed, or restarting (ActorUnavailableError)
+            self._index_lost(index)
+            raise IndexUnavailable(f"index {method}: {type(e).__name__}: {e}") from e
+        except RayTaskError as e:
+            self._note_loss()
+            raise IndexUnavailable(f"index {method} raised: {e}") from e
+        except (GetTimeoutError, TransferError) as e:
+            raise IndexUnavailable(f"index {method} timed out") from e
+
+    def _note_loss(self) -> None:
+        """The index lost (or may have lost) this worker: a rejoin is due."""
+        with self._resolve_lock:
+            self._losses += 1
+            self._must_rejoin = True
+
+    def _index_lost(self, index: Any) -> None:
+        """The index behind ``index`` died or restarts: look it up again, rejoin it."""
+        self.stats["index_errors"] += 1
+        self._note_loss()
+        with self._resolve_lock:
+            now = time.monotonic()
+            # Another thread re-resolved since this call started, or did so just now.
+            if self.index is not index or now - self._resolved_at < RESOLVE_INTERVAL_S:
+                return
+            self._resolved_at = now
+            try:
+                self.index = get_index_actor(self._fingerprint_id)
+            except Exception as e:
+                self._warn("looking the index up again failed: %s", e)
+
+    def _warn(self, msg: str, *args: Any) -> None:
+        """logger.warning, at most once per WARN_INTERVAL_S (an outage is one message)."""
+        now = time.monotonic()
+        if now - self._warned_at < WARN_INTERVAL_S:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += f" ({self._suppressed} more index warnings since the last one)"
+        self._warned_at, self._suppressed = now, 0
+        logger.warning("%s: " + msg, self.worker_id, *args)
 
     def attach(self, service: Callable[[], None]) -> None:
         self._service = service
@@ -102,10 +193,12 @@ class ClusterKvConnector(KvCacheConnector):
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         self._planned = None
         self.stats["lookups"] += 1
+        if self._must_rejoin:  # the index is down or restarting: never stall a step on it
+            return 0
         try:
-            depths = self._wait(self.index.lookup.remote(list(hashes), self.worker_id))
+            depths = self._call("lookup", list(hashes), self.worker_id, serve=True)
         except Exception as e:
-            logger.warning("%s: index lookup failed (%s); computing", self.worker_id, e)
+            self._warn("index lookup failed (%s); computing", e)
             return 0
         if not depths:
             return 0
@@ -151,7 +244,7 @@ class ClusterKvConnector(KvCacheConnector):
         """The peer's actor handle, adding it to the transport the first time (checks the
         fingerprint: a refused peer raises PeerRefused)."""
         if worker_id not in self._peers:
-            workers = self._wait(self.index.workers.remote())
+            workers = self._call("workers", serve=True)
             meta = workers.get(worker_id)
             if meta is None or meta.get("handle") is None:
                 raise TransferError(f"{worker_id} is not registered")
@@ -194,72 +287,104 @@ class ClusterKvConnector(KvCacheConnector):
         last_beat = 0.0
         while not self._stop.wait(self.config.publish_interval_s):
             try:
-                self.flush()
                 now = time.monotonic()
-                if now - last_beat > self.config.heartbeat_interval_s:
-                    last_beat = now
-                    known = ray.get(
-                        self.index.heartbeat.remote(self.worker_id),
-                        timeout=self.config.timeout_s,
-                    )
-                    if not known:  # purged (missed heartbeats, or a new index): rejoin
+                if self._must_rejoin:
+                    if now >= self._next_rejoin:
+                        self._next_rejoin = now + RESOLVE_INTERVAL_S
                         with self._flush_lock:
                             self._rejoin()
-            except Exception as e:  # the index may be restarting; keep the worker alive
-                logger.warning("%s: publishing to the index failed: %s", self.worker_id, e)
+                        last_beat = time.monotonic()
+                    continue
+                self.flush()
+                if now - last_beat > self.config.heartbeat_interval_s:
+                    last_beat = now
+                    self._check_incarnation()
+            except IndexUnavailable as e:
+                self._warn("publishing to the index failed: %s", e)
+            except Exception:  # keep publishing whatever one round hit
+                logger.exception("%s: the publisher thread failed a round", self.worker_id)
+
+    def _check_incarnation(self) -> None:
+        """Heartbeat; another incarnation (a restarted index) or None (purged): rejoin."""
+        incarnation = self._call("heartbeat", self.worker_id)
+        if incarnation is None or incarnation != self._incarnation:
+            self._note_loss()
 
     def flush(self) -> int:
         """Send every buffered batch now; returns how many. Sends a snapshot on a gap.
 
         Callable from any thread; one batch is in flight at a time (the index applies a
         worker's batches in sequence order, and a threaded actor may reorder concurrent calls).
+        Never raises for the index: while it is down (or a rejoin is under way) this returns 0
+        and the buffer waits; the rejoin's snapshot then covers it. A batch lost on the way
+        costs a gap and a snapshot, never half-applied state.
         """
-        with self._flush_lock:
+        if self._must_rejoin or not self._flush_lock.acquire(timeout=self.config.timeout_s):
+            return 0
+        try:
             return self._flush()
+        finally:
+            self._flush_lock.release()
 
     def _flush(self) -> int:
         sent = 0
-        while True:
-            with self._lock:
-                batch = self._publisher.drain()
-            if batch is None:
-                return sent
-            result = ray.get(self.index.apply.remote(batch), timeout=self.config.timeout_s)
-            sent += 1
-            self.stats["batches_sent"] += 1
-            if result == "gap":
-                self._send_snapshot()
-            elif result == "rejected" and not ray.get(
-                self.index.heartbeat.remote(self.worker_id), timeout=self.config.timeout_s
-            ):
-                self._rejoin()
+        try:
+            while not self._must_rejoin:
+                with self._lock:
+                    batch = self._publisher.drain()
+                if batch is None:
+                    break
+                result = self._call("apply", batch)
+                sent += 1
+                self.stats["batches_sent"] += 1
+                if result == "gap":
+                    self._send_snapshot()
+                elif result == "rejected":  # unknown worker: purged, or a new index
+                    self._check_incarnation()
+                    if self._must_rejoin:
+                        self._rejoin()
+        except IndexUnavailable as e:
+            self._warn("flushing to the index failed: %s", e)
+        return sent
 
     def _rejoin(self) -> None:
-        """Register again (a new incarnation: the index forgot us) and send a snapshot."""
-        logger.warning("%s: the index does not know this worker; re-registering", self.worker_id)
+        """Register again (the index is new, or forgot us) and send a snapshot; the caller
+        holds the flush lock. Raises IndexUnavailable, with the rejoin still due."""
+        losses = self._losses
         self._register()
-        self._send_snapshot(reset=True)
+        blocks = self._send_snapshot(reset=True)
+        self.stats["rejoins"] += 1
+        with self._resolve_lock:
+            if self._losses == losses:  # else the index failed again meanwhile: once more
+                self._must_rejoin = False
+        logger.warning(
+            "%s: rejoined the index (incarnation %s) with a snapshot of %d blocks",
+            self.worker_id,
+            self._incarnation,
+            blocks,
+        )
 
-    def _send_snapshot(self, reset: bool = False) -> None:
+    def _send_snapshot(self, reset: bool = False) -> int:
+        """Send every held hash; returns how many."""
         with self._lock:
             # After a rejoin the snapshot already holds what is buffered: drop the buffer.
             next_seq = self._publisher.reset_for_snapshot() if reset else self._publisher.next_seq
             hashes = list(self._held)
-        ray.get(
-            self.index.apply_snapshot.remote(self.worker_id, hashes, next_seq),
-            timeout=self.config.timeout_s,
-        )
+        self._call("apply_snapshot", self.worker_id, hashes, next_seq)
         self.stats["snapshots_sent"] += 1
+        return len(hashes)
 
     def get_stats(self) -> dict[str, float]:
+        """This connector's counters; never asks the index."""
         return dict(self.stats)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        try:
+        if not self._must_rejoin:  # else the index does not know us: nothing to take back
             self.flush()
-            ray.get(self.index.deregister.remote(self.worker_id), timeout=self.config.timeout_s)
-        except Exception as e:
-            logger.warning("%s: deregistering failed: %s", self.worker_id, e)
+            try:
+                self._call("deregister", self.worker_id)
+            except Exception as e:
+                logger.warning("%s: deregistering failed: %s", self.worker_id, e)
         self.transport.close()

@@ -4,7 +4,14 @@ The actor adds what a plain class cannot know: liveness. A worker is purged when
 of life (register, heartbeat, or a batch of its own) is older than ``heartbeat_timeout_s``, or
 when the Ray actor handle it registered with has died. A background thread checks both; the
 actor is threaded (``max_concurrency``), so lookups and batches are served meanwhile, and one
-lock serialises every touch of the KvIndex.
+lock serialises every touch of the KvIndex (``wait_stored`` waits on a Condition over that
+same lock, woken by every change).
+
+Incarnation: the actor is a hint, and may die. ``get_index_actor`` creates it restartable
+(``max_restarts=-1``): a crash restarts it empty under the same name, and after a kill for
+good the next ``get_index_actor`` creates a new one. Each start draws a new ``incarnation``
+(uuid4 hex), returned by ``register`` and ``heartbeat``; a worker that sees another one (or
+None: "unknown worker") re-registers and sends a full snapshot.
 
 Ordering: a threaded actor may run two calls of one caller out of order, so a worker keeps at
 most one ``apply`` in flight (or sends several through one ``apply_many``); a reordering
@@ -16,20 +23,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvmesh.connector.kv_index import KvIndex
+from kvmesh.connector.kv_index import DEFAULT_PENDING_TTL_S, KvIndex
 
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME_PREFIX = "kvmesh-index-"
+# Each ``wait_stored`` holds one of the actor's threads while it waits.
+MAX_CONCURRENCY = 256
 
 
-@ray.remote(num_cpus=0, max_concurrency=16)
+@ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY)
 class KvIndexActor:
     """Serves one :class:`KvIndex`; methods mirror it, plus :meth:`heartbeat` and liveness.
 
@@ -44,7 +55,9 @@ class KvIndexActor:
         check_interval_s: float | None = None,
     ) -> None:
         self._index = KvIndex(fingerprint)
+        self._incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every change of the index
         self._timeout = heartbeat_timeout_s
         if check_interval_s is None:
             check_interval_s = min(1.0, (heartbeat_timeout_s or 4.0) / 4)
@@ -60,10 +73,17 @@ class KvIndexActor:
 
     # -- workers ---------------------------------------------------------------------------
 
+    def incarnation(self) -> str:
+        """This start of the actor's id (uuid4 hex): a restarted index has another one."""
+        return self._incarnation
+
     def register(
         self, worker_id: str, fingerprint: str, metadata: dict | None = None, handle: Any = None
-    ) -> None:
-        """:meth:`KvIndex.register`; ``handle`` (the worker's ActorHandle) is watched for death."""
+    ) -> str:
+        """:meth:`KvIndex.register`; ``handle`` (the worker's ActorHandle) is watched for death.
+
+        Returns the incarnation: the worker keeps it and compares it with later heartbeats.
+        """
         with self._lock:
             self._index.register(worker_id, fingerprint, metadata)
             self._last_seen[worker_id] = time.monotonic()
@@ -72,19 +92,22 @@ class KvIndexActor:
                 self._handles.pop(worker_id, None)
             else:
                 self._handles[worker_id] = handle
+            self._changed.notify_all()
+        return self._incarnation
 
     def deregister(self, worker_id: str) -> bool:
         """Purge the worker; False if it was not registered."""
         with self._lock:
             return self._forget(worker_id)
 
-    def heartbeat(self, worker_id: str) -> bool:
-        """Refresh liveness; False means the worker is unknown (purged): it must re-register."""
+    def heartbeat(self, worker_id: str) -> str | None:
+        """Refresh liveness and return the incarnation; None means the worker is unknown
+        (purged, or this index restarted): it must re-register."""
         with self._lock:
             if worker_id not in self._last_seen:
-                return False
+                return None
             self._last_seen[worker_id] = time.monotonic()
-            return True
+            return self._incarnation
 
     def needs_snapshot(self, worker_id: str) -> bool:
         with self._lock:
@@ -112,12 +135,58 @@ class KvIndexActor:
                 elif result.worker_id in self._last_seen:
                     self._last_seen[result.worker_id] = now
                 out.append(result.status)
+            self._changed.notify_all()
         return out
 
     def apply_snapshot(self, worker_id: str, hashes: list[bytes], next_seq: int) -> None:
         with self._lock:
             self._index.apply_snapshot(worker_id, hashes, next_seq)
             self._last_seen[worker_id] = time.monotonic()
+            self._changed.notify_all()
+
+    # -- pending entries -------------------------------------------------------------------
+
+    def add_pending(
+        self,
+        worker_id: str,
+        hashes: Sequence[bytes],
+        tokens: int,
+        ttl_s: float = DEFAULT_PENDING_TTL_S,
+        seen: int | None = None,
+    ) -> int | None:
+        """:meth:`KvIndex.add_pending`: ``worker_id`` computes these leading blocks now."""
+        with self._lock:
+            return self._index.add_pending(worker_id, hashes, tokens, ttl_s, seen)
+
+    def drop_pending(self, pending_id: int) -> bool:
+        with self._lock:
+            dropped = self._index.drop_pending(pending_id)
+            self._changed.notify_all()
+            return dropped
+
+    def route_lookup(self, hashes: Sequence[bytes]) -> dict[str, Any]:
+        """:meth:`KvIndex.route_lookup` plus ``"incarnation"``."""
+        with self._lock:
+            return {"incarnation": self._incarnation, **self._index.route_lookup(hashes)}
+
+    def wait_stored(self, worker_id: str, hashes: Sequence[bytes], timeout_s: float) -> int:
+        """Wait until ``worker_id`` holds all of ``hashes`` (per the index), or no pending entry
+        of it covers more of them than it holds (dropped, stored, expired, purged), or
+        ``timeout_s``; return how many leading blocks of ``hashes`` it holds then."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._changed:
+            while True:
+                held = self._index.held_depth(worker_id, hashes)
+                if held >= len(hashes) or self._index.pending_depth(worker_id, hashes) <= held:
+                    return held
+                now = time.monotonic()
+                if now >= deadline:
+                    return held
+                wake = deadline  # or when the next entry expires (expiry notifies nobody)
+                expiry = self._index.next_pending_expiry()
+                if expiry is not None:
+                    wake = min(wake, expiry)
+                self._changed.wait(max(wake - now, 0.001))
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -148,7 +217,9 @@ class KvIndexActor:
         self._last_seen.pop(worker_id, None)
         self._handles.pop(worker_id, None)
         self._pings.pop(worker_id, None)
-        return self._index.purge(worker_id)
+        purged = self._index.purge(worker_id)
+        self._changed.notify_all()
+        return purged
 
     def _liveness_loop(self) -> None:
         while not self._stop.wait(self._interval):
@@ -213,12 +284,14 @@ def get_index_actor(
     heartbeat_timeout_s: float | None = 10.0,
     check_interval_s: float | None = None,
 ) -> Any:
-    """The named index actor of ``fingerprint_id``, created on first call.
+    """The named index actor of ``fingerprint_id``, created when none is alive.
 
     One actor per model fingerprint, named ``kvmesh-index-<fingerprint_id>``. The liveness
     arguments only take effect when this call creates it. Detached: the first worker to ask
     creates it, and it must outlive that worker (a non-detached actor dies with its owner);
-    it goes with the Ray cluster, or ``ray.kill`` ends it.
+    it goes with the Ray cluster. Restartable: a crash, or ``ray.kill(h, no_restart=False)``,
+    restarts it empty (a new incarnation) under the same name and handle. ``ray.kill(h)`` ends
+    it for good; the next call here then creates a new one (callers racing get the same one).
     """
     return KvIndexActor.options(
         name=f"{ACTOR_NAME_PREFIX}{fingerprint_id}",
@@ -226,4 +299,9 @@ def get_index_actor(
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
+        max_restarts=-1,
+        # Never inside the caller's placement group: a worker runs in its Serve replica's
+        # group, which is removed with the replica, and would take the index with it (and
+        # leave its restart unschedulable).
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
     ).remote(fingerprint_id, heartbeat_timeout_s, check_interval_s)

@@ -5,12 +5,22 @@ of block hashes and answers each worker's longest held prefix. Workers feed it n
 batches (connector/events.py); a gap in a worker's numbering freezes that worker until it sends
 a full snapshot. Answers are hints: a block can leave a worker right after a lookup.
 
+It also keeps *pending* entries, shared routing state: "worker w is computing these leading
+blocks of a prompt now, with ``tokens`` prompt tokens still to compute". Whoever routes a
+prompt adds one and drops it when the prompt is computed; a ``Stored`` of the entry's last
+block from that worker, the worker's purge, or the entry's time to live drops it too, so an
+ingress that dies never leaves one behind for long. :meth:`KvIndex.route_lookup` answers both,
+held blocks and pending ones, so several ingress replicas see each other's in-flight prompts.
+
 No torch, no ray. Not thread-safe: the actor (connector/index_actor.py) holds a lock around it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Literal
@@ -32,7 +42,17 @@ ApplyStatus = Literal["applied", "duplicate", "gap", "rejected"]
 _MAX_INTERNED = 1 << 16
 
 _COUNTERS = ("events_applied", "batches_applied", "batches_rejected", "duplicates", "gaps")
-_COUNTERS += ("lookups", "removes_ignored")
+_COUNTERS += (
+    "lookups",
+    "removes_ignored",
+    "pending_added",
+    "pending_stored",
+    "pending_expired",
+    "pending_raced",
+)
+
+# How long a pending entry lives unless dropped or stored first (an ingress may die holding it).
+DEFAULT_PENDING_TTL_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +63,14 @@ class ApplyResult:
     worker_id: str | None = None
     seq: int | None = None
     reason: str | None = None
+
+
+@dataclass(slots=True)
+class _PendingEntry:
+    worker_id: str
+    hashes: tuple[bytes, ...]
+    tokens: int
+    expires: float
 
 
 @dataclass(slots=True)
@@ -63,10 +91,15 @@ class KvIndex:
       refused as a gap too. Malformed batches and batches of unknown workers are rejected.
     - ``Stored`` of a held hash is a no-op; ``Removed`` of a hash not held is ignored (counted).
     - :meth:`lookup` answers, per worker, the longest prefix of the chain it holds.
+    - A pending entry lives until :meth:`drop_pending`, its ``ttl_s`` (on ``clock``), an applied
+      ``Stored`` (batch or snapshot) of its last hash by its worker, or its worker's purge.
+      Pending entries of unregistered workers are accepted: an index that just restarted learns
+      of its workers only as they rejoin.
     """
 
-    def __init__(self, fingerprint: str) -> None:
+    def __init__(self, fingerprint: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
+        self._clock = clock
         self._holders: dict[bytes, frozenset[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
         self._workers: dict[str, _Worker] = {}
@@ -75,6 +108,12 @@ class KvIndex:
         self._without: dict[tuple[frozenset[str], str], frozenset[str]] = {}
         self._sets: dict[frozenset[str], frozenset[str]] = {}
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._pending: dict[str, dict[int, _PendingEntry]] = {}  # worker -> its entries, FIFO
+        self._pending_last: dict[str, dict[bytes, set[int]]] = {}  # worker -> last hash -> ids
+        self._pending_owner: dict[int, str] = {}  # pending id -> worker
+        self._expiry: list[tuple[float, int]] = []  # heap of (expires, pending id)
+        self._pending_ids = itertools.count(1)
+        self._last_pending_id = 0  # route_lookup's version of the pending entries
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -84,6 +123,7 @@ class KvIndex:
         A known ``worker_id`` is taken to be a new incarnation: its blocks are purged and its
         numbering restarts at 0 (had we kept them, a restarted publisher's batches would all
         look like duplicates; a live worker that merely re-registers gets a gap and a snapshot).
+        Its pending entries stay: the prompts they stand for may still be running.
         Raises ValueError for another fingerprint, naming both.
         """
         if not isinstance(worker_id, str) or not worker_id:
@@ -102,7 +142,10 @@ class KvIndex:
         return self.purge(worker_id)
 
     def purge(self, worker_id: str) -> bool:
-        """Forget a worker and all its blocks in O(its blocks); False if it was not registered."""
+        """Forget a worker, its blocks and its pending entries in O(its blocks); False if it
+        was not registered."""
+        for pending_id in list(self._pending.get(worker_id, ())):
+            self.drop_pending(pending_id)
         self._drop_blocks(worker_id)
         self._blocks.pop(worker_id, None)
         self._single.pop(worker_id, None)
@@ -160,12 +203,16 @@ class KvIndex:
         self._add(worker_id, new - mine)
         state.expected_seq = next_seq
         state.needs_snapshot = False
+        if worker_id in self._pending_last:
+            self._stored_pending(worker_id, new)
 
     def _apply_records(self, worker_id: str, records: list[Record]) -> None:
         events = 0
         for kind, hashes, _parent in records:
             if kind == KIND_STORED:
                 self._add(worker_id, set(hashes).difference(self._blocks[worker_id]))
+                if worker_id in self._pending_last:
+                    self._stored_pending(worker_id, hashes)
             elif kind == KIND_CLEARED:
                 self._drop_blocks(worker_id)
             else:
@@ -224,6 +271,173 @@ class KvIndex:
         if mine:
             self._remove(worker_id, list(mine))
 
+    # -- pending entries -------------------------------------------------------------------
+
+    def add_pending(
+        self,
+        worker_id: str,
+        hashes: Sequence[bytes],
+        tokens: int,
+        ttl_s: float = DEFAULT_PENDING_TTL_S,
+        seen: int | None = None,
+    ) -> int | None:
+        """Record that ``worker_id`` is computing the leading blocks ``hashes`` of a prompt, with
+        ``tokens`` prompt tokens still to compute; returns the entry's id (never reused).
+
+        ``seen``: the ``last_pending_id`` of the :meth:`route_lookup` the decision was made
+        on. If another worker has added an entry for the same prompt since (another router
+        raced this one), nothing is added and None is returned: decide again on a fresh
+        lookup, or both workers would compute the same prefix.
+
+        ``hashes`` may be empty (a prompt shorter than a block still adds to the backlog).
+        Raises ValueError for a bad worker id, hash, ``tokens`` or ``ttl_s``.
+        """
+        if not isinstance(worker_id, str) or not worker_id:
+            raise ValueError(f"worker_id must be a non-empty str, got {worker_id!r}")
+        chain = tuple(hashes)
+        bad = [h for h in chain if type(h) is not bytes or len(h) != HASH_LEN]
+        if bad:
+            raise ValueError(f"pending hashes must be {HASH_LEN} bytes, got {bad[0]!r:.60}")
+        if type(tokens) is not int or tokens < 0:
+            raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
+        if not isinstance(ttl_s, int | float) or not ttl_s > 0:
+            raise ValueError(f"ttl_s must be a positive number, got {ttl_s!r}")
+        self.expire_pending()
+        if seen is not None and chain and self._raced(worker_id, chain[0], seen):
+            self._counts["pending_raced"] += 1
+            return None
+        pending_id = next(self._pending_ids)
+        self._last_pending_id = pending_id
+        entry = _PendingEntry(worker_id, chain, tokens, self._clock() + ttl_s)
+        self._pending.setdefault(worker_id, {})[pending_id] = entry
+        self._pending_owner[pending_id] = worker_id
+        if chain:
+            last = self._pending_last.setdefault(worker_id, {})
+            last.setdefault(chain[-1], set()).add(pending_id)
+        heapq.heappush(self._expiry, (entry.expires, pending_id))
+        self._counts["pending_added"] += 1
+        return pending_id
+
+    def _raced(self, worker_id: str, first: bytes, seen: int) -> bool:
+        """Another worker's entry for a prompt starting with block ``first``, newer than
+        ``seen``."""
+        return any(
+            i > seen and e.hashes and e.hashes[0] == first
+            for w, entries in self._pending.items()
+            if w != worker_id
+            for i, e in entries.items()
+        )
+
+    def drop_pending(self, pending_id: int) -> bool:
+        """Forget a pending entry; False if it is already gone (dropped, stored, expired)."""
+        worker_id = self._pending_owner.pop(pending_id, None)
+        if worker_id is None:
+            return False
+        mine = self._pending[worker_id]
+        entry = mine.pop(pending_id)
+        if not mine:
+            del self._pending[worker_id]
+        if entry.hashes:
+            last = self._pending_last[worker_id]
+            ids = last[entry.hashes[-1]]
+            ids.discard(pending_id)
+            if not ids:
+                del last[entry.hashes[-1]]
+                if not last:
+                    del self._pending_last[worker_id]
+        # Its heap item stays; expire_pending skips items of entries already gone.
+        return True
+
+    def expire_pending(self) -> int:
+        """Drop the entries whose time to live is over; returns how many."""
+        now, heap, n = self._clock(), self._expiry, 0
+        while heap and heap[0][0] <= now:
+            _, pending_id = heapq.heappop(heap)
+            if self.drop_pending(pending_id):
+                n += 1
+        if len(heap) > 64 and len(heap) > 4 * len(self._pending_owner):  # dropped entries' items
+            self._expiry = [(e.expires, i) for w in self._pending.values() for i, e in w.items()]
+            heapq.heapify(self._expiry)
+        self._counts["pending_expired"] += n
+        return n
+
+    def next_pending_expiry(self) -> float | None:
+        """When (on the clock) the next entry expires, or None when none is pending."""
+        heap = self._expiry
+        while heap and heap[0][1] not in self._pending_owner:  # dropped before it expired
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _stored_pending(self, worker_id: str, stored: Iterable[bytes]) -> None:
+        """Drop the worker's entries whose last hash it just stored."""
+        last = self._pending_last[worker_id]
+        done = [i for h in stored if h in last for i in last[h]]
+        for pending_id in done:
+            if self.drop_pending(pending_id):
+                self._counts["pending_stored"] += 1
+
+    def pending_depth(self, worker_id: str, hashes: Sequence[bytes]) -> int:
+        """The longest leading run of ``hashes`` one pending entry of ``worker_id`` covers."""
+        self.expire_pending()
+        entries = self._pending.get(worker_id, {}).values()
+        return max((_common_prefix(e.hashes, hashes) for e in entries), default=0)
+
+    def held_depth(self, worker_id: str, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` ``worker_id`` holds (0 if unknown)."""
+        mine = self._blocks.get(worker_id)
+        if not mine:
+            return 0
+        for i, h in enumerate(hashes):
+            if h not in mine:
+                return i
+        return len(hashes)
+
+    def route_lookup(self, hashes: Sequence[bytes]) -> dict[str, dict]:
+        """What a router needs to place a prompt with block hashes ``hashes``.
+
+        ``{"held": {worker: depth}, "pending": {worker: {"depth": d, "wait_tokens": t}},
+        "backlog": {worker: tokens}}``: ``held`` is :meth:`lookup`; for each worker with a
+        pending entry sharing leading blocks with ``hashes``, ``depth`` is the most leading
+        blocks one of its entries covers and ``wait_tokens`` its pending tokens of the entries
+        added up to and including the first such entry (a worker computes its prompts in
+        order); ``backlog`` is each worker's pending tokens over all its entries.
+        """
+        self.expire_pending()
+        pending: dict[str, dict[str, int]] = {}
+        backlog: dict[str, int] = {}
+        first = hashes[0] if hashes else None
+        for worker_id, entries in self._pending.items():
+            total = depth = wait = 0
+            for e in entries.values():  # insertion order: the order they were routed in
+                total += e.tokens
+                if e.hashes and e.hashes[0] == first:
+                    d = _common_prefix(e.hashes, hashes)
+                    if d > depth:
+                        depth, wait = d, total
+            backlog[worker_id] = total
+            if depth:
+                pending[worker_id] = {"depth": depth, "wait_tokens": wait}
+        return {
+            "held": self.lookup(hashes),
+            "pending": pending,
+            "backlog": backlog,
+            "last_pending_id": self._last_pending_id,
+        }
+
+    def pending(self) -> dict[int, dict[str, Any]]:
+        """Every live pending entry by id: ``{"worker_id", "hashes", "tokens", "expires"}``."""
+        self.expire_pending()
+        return {
+            i: {
+                "worker_id": e.worker_id,
+                "hashes": list(e.hashes),
+                "tokens": e.tokens,
+                "expires": e.expires,
+            }
+            for entries in self._pending.values()
+            for i, e in entries.items()
+        }
+
     # -- queries ---------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], exclude: str | None = None) -> dict[str, int]:
@@ -279,6 +493,7 @@ class KvIndex:
             "entries": sum(map(len, self._blocks.values())),
             "workers": len(self._workers),
             "workers_needing_snapshot": sum(s.needs_snapshot for s in self._workers.values()),
+            "pending": len(self._pending_owner),
             **self._counts,
         }
 
@@ -292,3 +507,38 @@ class KvIndex:
                 assert h in self._blocks[w], f"{w} listed as holder of {h.hex()} but lacks it"
             entries += len(ws)
         assert entries == sum(map(len, self._blocks.values())), "a worker holds an unlisted hash"
+        owners = {i: w for w, es in self._pending.items() for i in es}
+        assert owners == self._pending_owner, "pending entries and owners disagree"
+        assert all(self._pending.values()), "a worker without pending entries is listed"
+        lasts = {
+            (w, h, i)
+            for w, last in self._pending_last.items()
+            for h, ids in last.items()
+            for i in ids
+        }
+        want = {
+            (w, e.hashes[-1], i)
+            for w, es in self._pending.items()
+            for i, e in es.items()
+            if e.hashes
+        }
+        assert lasts == want, "pending last-hash map is stale"
+        assert set(owners) <= {i for _, i in self._expiry}, "a pending entry never expires"
+
+
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many leading hashes ``a`` and ``b`` share.
+
+    Chained hashes name a block and its whole prefix, so ``a[i] == b[i]`` implies every earlier
+    pair is equal too: a binary search over positions suffices.
+    """
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[hi] != b[hi] or hi is the end
+    if hi and a[hi - 1] == b[hi - 1]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2  # a[mid] == b[mid] means the shared prefix is longer than mid
+        if a[mid] == b[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

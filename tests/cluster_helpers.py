@@ -52,7 +52,7 @@ def stop_workers(handles: list[Any]) -> None:
 
 
 def flush(handles: list[Any]) -> None:
-    ray.get([h.connector_call.remote("flush") for h in handles])
+    ray.get([h.flush_events.remote() for h in handles])
 
 
 def wait_until(predicate: Any, timeout_s: float = 15.0, interval_s: float = 0.1) -> bool:

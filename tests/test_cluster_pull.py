@@ -69,7 +69,7 @@ def test_second_worker_pulls_the_whole_prefix(transport: str, reference: LLM) ->
         namespace = ray.get(a.ready.remote())["namespace"]
         hashes = block_hashes(ids, BS, namespace)[: full_blocks // BS]
         assert block_bytes(a, hashes) == block_bytes(b, hashes)
-        stats = ray.get(b.connector_call.remote("get_stats"))
+        stats = ray.get(b.connector_stats.remote())
         assert stats["pulls"] == 1 and stats["pulled_bytes"] > 0
         assert ray.get(a.num_leases.remote()) == 0  # the lease was released
     finally:

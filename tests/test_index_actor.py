@@ -8,11 +8,12 @@ from collections.abc import Callable
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from kvmesh.connector.events import EventPublisher
 from kvmesh.connector.index_actor import get_index_actor
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.test_kv_index import BASE, FORK4
+from tests.test_kv_index import BASE, FORK4, FORK8
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -117,4 +118,89 @@ def test_worker_that_stops_heartbeating_is_purged(fingerprint: str) -> None:
     assert set(ray.get(index.workers.remote())) == {"steady"}
     assert not ray.get(index.heartbeat.remote("silent"))  # told to re-register
     assert ray.get(index.stats.remote())["purged_stale"] == 1
+    ray.kill(index)
+
+
+def ray_get_retrying(ref_fn: Callable[[], ray.ObjectRef], timeout_s: float = 10.0):
+    """ray.get(ref_fn()), retried while the actor restarts (ActorUnavailableError and kin)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(ref_fn(), timeout=timeout_s)
+        except RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_incarnation_and_restart_empty(fingerprint: str) -> None:
+    index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
+    first = ray.get(index.incarnation.remote())
+    assert isinstance(first, str) and len(first) == 32
+    assert ray.get(index.register.remote("w", fingerprint)) == first
+    assert ray.get(index.heartbeat.remote("w")) == first
+    assert ray.get(index.heartbeat.remote("ghost")) is None
+    pid = ray.get(index.add_pending.remote("w", BASE[:4], 16))
+    got = ray.get(index.route_lookup.remote(BASE))
+    assert got == {
+        "incarnation": first,
+        "held": {},
+        "pending": {"w": {"depth": 4, "wait_tokens": 16}},
+        "backlog": {"w": 16},
+        "last_pending_id": pid,
+    }
+    assert ray.get(index.drop_pending.remote(pid)) and not ray.get(index.drop_pending.remote(pid))
+    ray.kill(index, no_restart=False)  # a crash: restarted under the same name, empty
+    # ray.kill returns at once: the old process may still answer a call or two.
+    wait_for(lambda: ray_get_retrying(lambda: index.incarnation.remote()) != first)
+    second = ray.get(index.incarnation.remote())
+    assert ray.get(index.heartbeat.remote("w")) is None  # the worker must re-register
+    assert ray.get(index.workers.remote()) == {}
+    assert get_index_actor(fingerprint)._actor_id == index._actor_id
+    ray.kill(index)  # for good: the name is free, the next get_index_actor makes a new one
+    third = get_index_actor(fingerprint)
+    assert third._actor_id != index._actor_id
+    assert ray_get_retrying(lambda: third.incarnation.remote()) not in (first, second)
+    ray.kill(third)
+
+
+def test_wait_stored_returns_on_store_drop_expiry_and_timeout(fingerprint: str) -> None:
+    index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
+    ray.get(index.register.remote("w", fingerprint))
+    pub = EventPublisher("w")
+    pending = ray.get(index.add_pending.remote("w", BASE[:6], 24))
+    waiters = [index.wait_stored.remote("w", BASE[:6], 30.0) for _ in range(20)]
+    assert ray.wait(waiters, timeout=0.3)[0] == []
+    pub.on_store(BASE[:3], None)  # half of it: still waiting
+    assert ray.get(index.apply.remote(pub.drain())) == "applied"
+    assert ray.wait(waiters, timeout=0.3)[0] == []
+    pub.on_store(BASE[3:6], BASE[2])
+    start = time.monotonic()
+    assert ray.get(index.apply.remote(pub.drain())) == "applied"
+    assert ray.get(waiters, timeout=5) == [6] * 20  # all twenty woken by the one store
+    assert time.monotonic() - start < 2.0
+    assert not ray.get(index.drop_pending.remote(pending))  # the Stored dropped it
+    # Dropped (the prompt failed): the waiter gets what the worker holds, FORK4's first 4.
+    pending = ray.get(index.add_pending.remote("w", FORK4, 48))
+    waiter = index.wait_stored.remote("w", FORK4, 30.0)
+    assert ray.wait([waiter], timeout=0.3)[0] == []
+    assert ray.get(index.drop_pending.remote(pending))
+    assert ray.get(waiter, timeout=5) == 4
+    # Expired: same, without anyone dropping it.
+    ray.get(index.add_pending.remote("w", FORK8, 48, 0.5))
+    start = time.monotonic()
+    assert ray.get(index.wait_stored.remote("w", FORK8, 30.0), timeout=10) == 6
+    assert 0.4 < time.monotonic() - start < 5.0
+    # Timed out while the entry still stands.
+    pending = ray.get(index.add_pending.remote("w", FORK8, 48))
+    start = time.monotonic()
+    assert ray.get(index.wait_stored.remote("w", FORK8, 0.5), timeout=10) == 6
+    assert 0.45 < time.monotonic() - start < 5.0
+    assert ray.get(index.drop_pending.remote(pending))
+    # Nothing pending, or all held: at once.
+    start = time.monotonic()
+    assert ray.get(index.wait_stored.remote("w", BASE, 30.0)) == 6
+    assert ray.get(index.wait_stored.remote("w", BASE[:2], 30.0)) == 2
+    assert ray.get(index.wait_stored.remote("ghost", BASE, 30.0)) == 0
+    assert time.monotonic() - start < 2.0
     ray.kill(index)
