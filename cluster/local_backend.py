@@ -74,18 +74,14 @@ class LocalBackend:
         return final
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        if request.messages is not None:
-            prompt: str | list[int] = self.tokenize_chat(request.messages)
-        elif request.prompt is not None:
-            prompt = request.prompt
-        else:
+        if request.messages is None and request.prompt is None:
             raise ValueError("prompt: give a prompt or messages")
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
         stop = threading.Event()
         threading.Thread(
             target=self._pump,
-            args=(prompt, request, loop, items, stop),
+            args=(request, loop, items, stop),
             name=f"{self.name}-{request.request_id}",
             daemon=True,
         ).start()
@@ -104,19 +100,25 @@ class LocalBackend:
 
     def _pump(
         self,
-        prompt: str | list[int],
         request: GenerateRequest,
         loop: asyncio.AbstractEventLoop,
         items: asyncio.Queue[Any],
         stop: threading.Event,
     ) -> None:
-        """Runs in the request's thread: Worker.stream's deltas -> ``items``."""
+        """Runs in the request's thread: the chat template, then Worker.stream's deltas ->
+        ``items`` (the template and the tokenizer are CPU work: never on the event loop)."""
 
         def post(item: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
                 loop.call_soon_threadsafe(items.put_nowait, item)
 
         try:
+            prompt: str | list[int]
+            if request.messages is not None:
+                prompt = self.tokenize_chat(request.messages)
+            else:
+                assert request.prompt is not None
+                prompt = request.prompt
             # closing() ends Worker.stream on break, whose finally aborts the request.
             with contextlib.closing(self.worker.stream(prompt, request.params)) as deltas:
                 for delta in deltas:

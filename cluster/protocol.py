@@ -1,10 +1,13 @@
-"""OpenAI request bodies (pydantic), their checks, errors, and response objects (plain dicts
-in OpenAI's shape).
+"""OpenAI request bodies and response objects (pydantic), their checks, and errors.
 
 Requests are parsed in strict mode: OpenAI rejects ``"max_tokens": "10"``, so do we, rather
 than coerce. Unknown fields are ignored because official clients send fields we do not use.
-Ranges (max_tokens >= 1, 0 < top_p <= 1, ...) are not repeated here: ``SamplingParams``
-owns them, so the Python API and HTTP give the same messages.
+Ranges (max_tokens >= 1, 0 < top_p <= 1, ...) are checked by ``SamplingParams`` alone, so the
+Python API and HTTP give the same messages; the request models only *document* them in their
+JSON schema (OpenAPI), from the same constants.
+
+Responses are built as plain dicts in OpenAI's shape (``ResponseShape``); the response models
+below describe exactly those dicts for the OpenAPI schema, and the tests check the two agree.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ import itertools
 import re
 import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from kvmesh.cluster.backend import Completion
 from kvmesh.workers.chat import ROLES
@@ -63,7 +66,29 @@ def valid(fn: Callable[[], T], rename: dict[str, str] | None = None) -> T:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # No NaN or Infinity (not JSON, though parsers take them) and no 1e400 (parsed as inf).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def _schema(type_: str, nullable: bool = True, **keywords: Any) -> WithJsonSchema:
+    """The JSON schema of a field, with the bounds SamplingParams enforces (documentation
+    only: it changes what OpenAPI says, not what parses)."""
+    schema = {"type": type_, **keywords}
+    return WithJsonSchema({"anyOf": [schema, {"type": "null"}]} if nullable else schema)
+
+
+_SP = SamplingParams
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": _SP.MAX_STOP_LEN}
+_STOP_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            _STOP_STRING,
+            {"type": "array", "items": _STOP_STRING, "maxItems": _SP.MAX_STOP},
+            {"type": "null"},
+        ]
+    }
+)
+_LOGPROBS = _schema("integer", minimum=0, maximum=_SP.MAX_LOGPROBS)
 
 
 class StreamOptions(_Body):
@@ -93,16 +118,25 @@ class _GenerateBody(_Body):
     LOGPROBS_FIELD: ClassVar[str]
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM); -1 means off, as there
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: Annotated[int | None, _schema("integer", minimum=1)] = Field(
+        None, description="At most the context minus the prompt's tokens."
+    )
+    temperature: Annotated[
+        float | None, _schema("number", minimum=0, maximum=_SP.MAX_TEMPERATURE)
+    ] = None
+    top_p: Annotated[float | None, _schema("number", exclusiveMinimum=0, maximum=1)] = None
+    # extension (vLLM); -1 means off, as there
+    top_k: Annotated[int | None, _schema("integer", minimum=-1, maximum=_SP.MAX_TOP_K)] = Field(
+        None, description="vLLM's extension: -1 or null for off, else at least 1 (0 is refused)."
+    )
+    seed: Annotated[int | None, _schema("integer", minimum=_SP.SEED_MIN, maximum=_SP.SEED_MAX)] = (
+        None
+    )
+    stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    ignore_eos: bool = False  # extension (vLLM)
+    n: Annotated[int, _schema("integer", nullable=False, minimum=1, maximum=1)] = 1
+    ignore_eos: bool = Field(False, description="vLLM's extension: generate past EOS.")
     user: str | None = None  # accepted, unused
 
     @property
@@ -176,9 +210,12 @@ class ChatCompletionRequest(_GenerateBody):
     PROMPT_FIELD = "messages"
     LOGPROBS_FIELD = "top_logprobs"
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    # OpenAI's newer name; wins over max_tokens
+    max_completion_tokens: Annotated[int | None, _schema("integer", minimum=1)] = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int | None, _LOGPROBS] = Field(
+        None, description="Needs logprobs: true."
+    )
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -203,8 +240,10 @@ class ChatCompletionRequest(_GenerateBody):
 class CompletionRequest(_GenerateBody):
     PROMPT_FIELD = "prompt"
     LOGPROBS_FIELD = "logprobs"
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text or token ids; a batch must hold exactly one prompt."
+    )
+    logprobs: Annotated[int | None, _LOGPROBS] = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -234,21 +273,33 @@ def parse_body(raw: bytes, model: type[B]) -> B:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        message, param = describe_validation_error(e)
+        message, param = describe_errors(e.errors(include_url=False))
         raise ApiError(400, message, param=param) from None
 
 
-def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
-    """(message, param) of a pydantic error, param like ``messages[0].content``.
+_LOCATIONS = ("query", "path", "header", "cookie")
+
+
+def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic (or FastAPI request) validation error, param
+    like ``messages[0].content``.
 
     pydantic's ``loc`` also holds union member tags (``str``, ``list[int]``): the path stops
-    at the first part that is neither a field name nor an index.
+    at the first part that is neither a field name nor an index. FastAPI's start with where
+    the value was (``body``, ``query``, ...).
     """
-    err = e.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return f"request body is not valid JSON: {err['msg']}", None
+    if not errors:
+        return "request body: invalid", None
+    err = errors[0]
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {err.get('msg', '')}", None
+    if loc and loc[0] in _LOCATIONS and len(loc) > 1:
+        return f"{loc[1]}: {err.get('msg', 'invalid')}", str(loc[1])
+    if loc and loc[0] == "body":
+        loc = loc[1:]
     param = ""
-    for part in err["loc"]:
+    for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
         elif part in _FIELDS:
@@ -256,8 +307,8 @@ def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
         else:
             break
     if not param:
-        return f"request body: {err['msg']}", None
-    return f"{param}: {err['msg']}", param
+        return f"request body: {err.get('msg', 'invalid')}", None
+    return f"{param}: {err.get('msg', 'invalid')}", param
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -394,3 +445,182 @@ class ResponseShape:
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+
+# -- response models: the OpenAPI schema of what ResponseShape builds ------------------------
+
+
+class _Out(BaseModel):
+    # Forbid: a key the dicts gain and the models lack fails the schema tests.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    """OpenAI's error body, for every 4xx and 5xx."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = Field(description="Prompt tokens not computed: local hits + pulled.")
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class KvmeshInfo(_Out):
+    """Where the prompt's KV came from (kvmesh's extension)."""
+
+    worker: str
+    local_hit_tokens: int
+    pulled_tokens: int
+    computed_tokens: int
+    ttft_ms: float | None
+    prefill_worker: str | None = Field(None, description="Absent when none ran.")
+    migrations: int = Field(0, description="Times the request moved after losing a worker.")
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprob]
+    refusal: str | None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    kvmesh: KvmeshInfo
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(_Out):
+    """One server-sent event of a chat stream (``data: {...}``; the last is ``[DONE]``).
+    ``usage`` is null until the extra last chunk (no choices) of ``include_usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    kvmesh: KvmeshInfo | None = Field(None, description="On the last chunk(s) only.")
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    kvmesh: KvmeshInfo
+
+
+class CompletionChunkChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionChunk(_Out):
+    """One server-sent event of a completions stream (``data: {...}``; the last is
+    ``[DONE]``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    kvmesh: KvmeshInfo | None = Field(None, description="On the last chunk(s) only.")
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(_Out):
+    status: Literal["ok"]
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    ErrorResponse,
+    ChatCompletionResponse,
+    ChatCompletionChunk,
+    CompletionResponse,
+    CompletionChunk,
+    ModelList,
+    Health,
+)

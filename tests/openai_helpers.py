@@ -46,21 +46,46 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> No
 
 
 class Spy:
-    """The backend, counting generate/stream calls (bad input must never reach them)."""
+    """The backend, counting generate/stream calls (bad input must never reach them).
 
-    def __init__(self, inner: Any) -> None:
+    With ``fail``, each call raises ``fail()`` instead: ``generate`` at once, a stream after
+    ``fail_after`` of the inner backend's chunks (0: from its first ``__anext__``, as an
+    admission error does)."""
+
+    def __init__(
+        self,
+        inner: Any,
+        fail: Callable[[], BaseException] | None = None,
+        fail_after: int = 0,
+    ) -> None:
         self.inner, self.calls = inner, 0
+        self.fail, self.fail_after = fail, fail_after
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def generate(self, request: GenerateRequest) -> Completion:
         self.calls += 1
+        if self.fail is not None:
+            raise self.fail()
         return await self.inner.generate(request)
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         self.calls += 1
-        return self.inner.stream(request)
+        if self.fail is None:
+            return self.inner.stream(request)
+        return self._failing_stream(request, self.fail)
+
+    async def _failing_stream(
+        self, request: GenerateRequest, fail: Callable[[], BaseException]
+    ) -> AsyncIterator[Chunk]:
+        chunks = self.inner.stream(request)
+        try:
+            for _ in range(self.fail_after):
+                yield await chunks.__anext__()
+            raise fail()
+        finally:
+            await chunks.aclose()
 
 
 def call(port: int, method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any]:

@@ -1,4 +1,20 @@
-"""Sampling parameters, validated once when a request is made."""
+"""Sampling parameters, validated once when a request is made.
+
+Every field is bounded here, so the Python API, the Ray Serve handle and HTTP refuse the same
+values with the same message ("field: why, got value"). The caps, and why:
+
+- ``temperature``: a finite number in [0, 2] (OpenAI's range). 0 is greedy; a positive value
+  below 0.01 samples at 0.01, as vLLM does (smaller ones overflow the scaled logits).
+- ``top_p``: a finite number in (0, 1]; below 1e-6 it acts as 1e-6 (the likeliest token),
+  since a float32 that rounds to 0 would keep no token at all.
+- ``top_k``: None (off) or an integer in [1, 2**20]; a top_k at or above the vocabulary size
+  keeps every token. 2**20 is above any vocabulary in use.
+- ``seed``: None or a 64-bit signed integer (vLLM's range; what ``torch.Generator`` takes).
+- ``stop``: at most 16 strings of 1 to 256 characters (OpenAI allows 4; vLLM has no cap).
+- ``stop_token_ids``: at most 256 ids, each in [0, 2**31).
+- ``logprobs``: None or an integer in [0, 20] (OpenAI's ``top_logprobs`` range).
+- ``max_tokens``: an integer >= 1; the engine checks prompt + max_tokens against the context.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +28,7 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1.0`` disable those filters.
     ``seed`` makes one request's sampling reproducible whatever else is in its batch.
     ``stop`` strings are cut from the text; ``stop_token_ids`` end the request like EOS.
+    Out-of-range values raise ValueError naming the field (bounds: the module docstring).
     """
 
     max_tokens: int = 16
@@ -24,48 +41,70 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # log-probabilities of each sampled token and the top N
 
+    MAX_TEMPERATURE = 2.0
+    MIN_SAMPLING_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
+    MIN_TOP_P = 1e-6
+    MAX_TOP_K = 1 << 20
+    SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+    MAX_STOP = 16
+    MAX_STOP_LEN = 256
+    MAX_STOP_TOKEN_IDS = 256
+    MAX_TOKEN_ID = (1 << 31) - 1
     MAX_LOGPROBS = 20
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) the way vLLM users write them.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is None or isinstance(value, list | tuple):
+                object.__setattr__(self, name, tuple(value or ()))
         self.validate()
+        if 0 < self.temperature < self.MIN_SAMPLING_TEMPERATURE:
+            object.__setattr__(self, "temperature", self.MIN_SAMPLING_TEMPERATURE)
+        if self.top_p < self.MIN_TOP_P:
+            object.__setattr__(self, "top_p", self.MIN_TOP_P)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+            return ValueError(f"{name}: {why}, got {_show(getattr(self, name))}")
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+        if not _is_int(self.max_tokens):
             raise bad("max_tokens", "must be an integer")
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be at least 1")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise bad("temperature", "must be a number")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
-            raise bad("top_p", "must be a number")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        # Comparisons, not math.isfinite: they also refuse NaN and ints too large for a float.
+        if not (_is_number(self.temperature) and 0 <= self.temperature <= self.MAX_TEMPERATURE):
+            raise bad("temperature", f"must be a finite number in [0, {self.MAX_TEMPERATURE:g}]")
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise bad("top_p", "must be a finite number in (0, 1]")
+        if self.top_k is not None and not (
+            _is_int(self.top_k) and 1 <= self.top_k <= self.MAX_TOP_K
         ):
-            raise bad("top_k", "must be an integer >= 1 (or None to disable)")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            raise bad("top_k", f"must be an integer in [1, {self.MAX_TOP_K}] (or None to disable)")
+        if self.seed is not None and not (
+            _is_int(self.seed) and self.SEED_MIN <= self.seed <= self.SEED_MAX
         ):
-            raise bad("seed", "must be an integer")
+            raise bad("seed", "must be a 64-bit signed integer, in [-2**63, 2**63 - 1]")
         if self.logprobs is not None and not (
             _is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.stop, tuple) or len(self.stop) > self.MAX_STOP:
+            raise bad("stop", f"must be a string or a list of at most {self.MAX_STOP} strings")
+        if not all(isinstance(s, str) and 0 < len(s) <= self.MAX_STOP_LEN for s in self.stop):
+            raise bad(
+                "stop", f"must be non-empty strings of at most {self.MAX_STOP_LEN} characters"
+            )
+        if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > (
+            self.MAX_STOP_TOKEN_IDS
+        ):
+            raise bad("stop_token_ids", f"must be a list of at most {self.MAX_STOP_TOKEN_IDS} ids")
+        if not all(_is_int(t) and 0 <= t <= self.MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be integers in [0, {self.MAX_TOKEN_ID}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a boolean")
 
     @property
     def greedy(self) -> bool:
@@ -74,3 +113,16 @@ class SamplingParams:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _show(value: object, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: a message never echoes a huge value back."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "a very large integer"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

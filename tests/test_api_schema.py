@@ -1,0 +1,72 @@
+"""The OpenAPI schema, fuzzed: schemathesis generates requests from ``/openapi.json`` (valid
+ones, and ones that break the schema) for every route and runs them in-process (ASGI)
+against a LocalBackend on tiny-random. No answer may be a 5xx, and every answer must be one
+the schema documents (status, content type), in its documented shape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from kvmesh.cluster.local_backend import LocalBackend
+from kvmesh.cluster.openai_api import build_api
+from tests.openai_helpers import MODEL
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+ROUTES = [
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("GET", "/v1/models"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+]
+
+
+@pytest.fixture(scope="module")
+def api_schema() -> Iterator[Any]:
+    # A short context: a generated request generates at most 64 tokens.
+    backend = LocalBackend(
+        model=MODEL, block_size=4, num_kv_blocks=64, max_model_len=64, progress=False
+    )
+    try:
+        yield schemathesis.openapi.from_asgi("/openapi.json", build_api(backend, model_name=MODEL))
+    finally:
+        backend.shutdown()
+
+
+def test_every_route_is_fuzzed(api_schema: Any) -> None:
+    ops = [op.ok() for op in api_schema.get_all_operations()]
+    assert sorted((op.method.upper(), op.path) for op in ops) == sorted(ROUTES)
+
+
+CASES = [(method, path, GenerationMode.POSITIVE) for method, path in ROUTES] + [
+    (method, path, GenerationMode.NEGATIVE) for method, path in ROUTES if method == "POST"
+]  # a GET without parameters has no invalid request to generate
+
+
+@pytest.mark.parametrize(("method", "path", "mode"), CASES)
+def test_route_conforms(api_schema: Any, method: str, path: str, mode: GenerationMode) -> None:
+    operation = api_schema[path][method]
+
+    @given(operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+    def run(case: schemathesis.Case) -> None:
+        case.call_and_validate(checks=CHECKS)
+
+    run()
