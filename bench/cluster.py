@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--plot", default="docs/cluster_ttft_cdf.png")
     ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset")
     ap.add_argument("--dump", help="write every request's record (JSON lines) here")
+    ap.add_argument("--ingress-replicas", type=int, default=1)
     args = ap.parse_args()
 
     system = (
@@ -167,7 +168,9 @@ def main() -> None:
         "and measuring latency. Keep answers short and concrete. " * 12
     )
     convs = [conversation_turns(i, args.turns) for i in range(args.conversations)]
-    ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False
+    )
     results: dict[str, dict] = {}
     for name in args.setups.split(","):
         setup = SETUPS[name]
@@ -176,6 +179,7 @@ def main() -> None:
             workers=args.workers,
             kv_cache_memory=args.kv_cache_memory,
             num_cpus_per_worker=1.0,
+            ingress_replicas=args.ingress_replicas,
             **setup,
         )
         handle = deploy(config)
@@ -201,6 +205,7 @@ def main() -> None:
         "bench": "cluster",
         "model": args.model,
         "workers": args.workers,
+        "ingress_replicas": args.ingress_replicas,
         "requests": sum(len(c) for c in convs),
         "clients": args.conversations,
         "max_tokens": args.max_tokens,

@@ -62,14 +62,14 @@ def main() -> None:
     # One small pull first: the NIXL handshake (once per peer pair) is not part of a TTFT.
     handshake = [rng.randrange(1000, 40000) for _ in range(4 * info["block_size"] + 1)]
     ray.get(a.generate.remote(handshake, warm))
-    ray.get(a.connector_call.remote("flush"))
+    ray.get(a.flush_events.remote())
     ray.get(b.generate.remote(handshake, warm))
-    base = ray.get(b.connector_call.remote("get_stats"))
+    base = ray.get(b.connector_stats.remote())
 
     computed = ray.get(a.generate.remote(prompt, params))
-    ray.get(a.connector_call.remote("flush"))
+    ray.get(a.flush_events.remote())
     pulled = ray.get(b.generate.remote(prompt, params))
-    stats = ray.get(b.connector_call.remote("get_stats"))
+    stats = ray.get(b.connector_stats.remote())
     # The same prompt once more on B: a local hit, so its TTFT is the suffix's compute alone.
     again = ray.get(b.generate.remote(prompt, params))
     stats = {k: stats[k] - base[k] for k in ("pulled_bytes", "pull_s")}

@@ -36,6 +36,7 @@ class KvSource:
     computed_tokens: int
     ttft_ms: float | None
     prefill_worker: str | None = None
+    migrations: int = 0  # times the request moved to another worker after losing one
 
     @classmethod
     def of(cls, worker: str, out: RequestOutput, prefill_worker: str | None = None) -> KvSource:

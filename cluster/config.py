@@ -32,12 +32,27 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    max_request_bytes: int = 2 * 1024 * 1024  # larger HTTP bodies get a 413
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     device: str | None = None
     dtype: str | None = None
+    # Autoscaling: with max_* set, the worker count above is the minimum and Serve scales
+    # the deployment between the two on ongoing requests per replica.
+    max_workers: int | None = None
+    max_prefill_workers: int | None = None
+    max_decode_workers: int | None = None
+    target_ongoing_requests: float = 4.0
+    downscale_delay_s: float = 30.0  # load must stay low this long before a worker stops
+    ingress_replicas: int = 1
+    max_migrations: int = 3  # times one request may move to another worker after a failure
+    health_check_period_s: float = 2.0
+    # A worker whose step thread made no progress for this long while it had work is
+    # unhealthy (Serve replaces it).
+    health_stall_s: float = 30.0
+    drain_timeout_s: float = 30.0  # how long a stopping worker lets running requests finish
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -75,6 +90,31 @@ class ServeConfig:
             raise bad("port", "must be in [0, 65535]")
         if self.block_size < 1:
             raise bad("block_size", "must be >= 1")
+        for role, count, most in self._scaling():
+            if most is not None and most < count:
+                raise ValueError(f"max_{role}: must be >= the {role} count ({count}), got {most}")
+        if self.max_workers is not None and self.disaggregated:
+            raise ValueError("max_workers: use max_prefill_workers / max_decode_workers with P/D")
+        if (self.max_prefill_workers or self.max_decode_workers) and not self.disaggregated:
+            raise ValueError(
+                "max_prefill_workers/max_decode_workers: need prefill_workers + decode_workers"
+            )
+        for name in ("ingress_replicas",):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.max_migrations < 0:
+            raise bad("max_migrations", "must be >= 0")
+        for name in (
+            "target_ongoing_requests",
+            "downscale_delay_s",
+            "health_check_period_s",
+            "health_stall_s",
+            "drain_timeout_s",
+        ):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise bad(name, "must be a positive finite number")
+        if self.max_request_bytes < 1:
+            raise bad("max_request_bytes", "must be >= 1")
         if self.api_key == "":
             raise bad("api_key", "must not be empty (leave it out to disable auth)")
 
@@ -85,6 +125,21 @@ class ServeConfig:
     @property
     def num_unified_workers(self) -> int:
         return 0 if self.disaggregated else (self.workers or 1)
+
+    def _scaling(self) -> list[tuple[str, int, int | None]]:
+        """(role, count, max count or None) per worker deployment."""
+        if self.disaggregated:
+            return [
+                ("prefill_workers", self.prefill_workers, self.max_prefill_workers),
+                ("decode_workers", self.decode_workers, self.max_decode_workers),
+            ]
+        return [("workers", self.num_unified_workers, self.max_workers)]
+
+    @property
+    def roles(self) -> list[tuple[str, int, int | None]]:
+        """(deployment role, min replicas, max replicas or None for a fixed count)."""
+        names = ("prefill", "decode") if self.disaggregated else ("worker",)
+        return [(n, c, m) for n, (_, c, m) in zip(names, self._scaling(), strict=True)]
 
     @property
     def model_name(self) -> str:
@@ -139,12 +194,23 @@ _TYPES: dict[str, type] = {
     "host": str,
     "port": int,
     "api_key": str,
+    "max_request_bytes": int,
     "num_cpus_per_worker": float,
     "num_gpus_per_worker": float,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "device": str,
     "dtype": str,
+    "max_workers": int,
+    "max_prefill_workers": int,
+    "max_decode_workers": int,
+    "target_ongoing_requests": float,
+    "downscale_delay_s": float,
+    "ingress_replicas": int,
+    "max_migrations": int,
+    "health_check_period_s": float,
+    "health_stall_s": float,
+    "drain_timeout_s": float,
 }
 
 

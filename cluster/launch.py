@@ -31,12 +31,23 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "host": {},
     "port": {"type": int},
     "api-key": {"help": "require this bearer key on /v1/*"},
+    "max-request-bytes": {"type": int, "help": "larger HTTP bodies get a 413"},
     "num-cpus-per-worker": {"type": float},
     "num-gpus-per-worker": {"type": float},
     "max-num-seqs": {"type": int},
     "max-num-batched-tokens": {"type": int},
     "device": {},
     "dtype": {"choices": ["float32", "float16", "bfloat16"]},
+    "max-workers": {"type": int, "help": "autoscale unified workers up to this many"},
+    "max-prefill-workers": {"type": int},
+    "max-decode-workers": {"type": int},
+    "target-ongoing-requests": {"type": float, "help": "per worker, for autoscaling"},
+    "downscale-delay-s": {"type": float},
+    "ingress-replicas": {"type": int},
+    "max-migrations": {"type": int, "help": "moves of one request after worker losses"},
+    "health-check-period-s": {"type": float},
+    "health-stall-s": {"type": float},
+    "drain-timeout-s": {"type": float},
 }
 
 
@@ -65,19 +76,31 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
-    """Join the cluster at ``address``; start a local one when none runs. True if started."""
+    """Join the cluster at ``address`` and return False, or start a local one and return True.
+
+    ``auto`` joins the cluster this machine runs (``RAY_ADDRESS``, else the one ``ray start``
+    recorded) and starts a local one only when none answers; an explicit address never falls
+    back (a typo must not silently serve from a one-machine cluster); ``local`` always starts
+    a new one. Ray 2.60 turns token authentication on: a driver joining a head started with
+    ``ray start`` must say so, so joining sets ``RAY_AUTH_MODE=token`` when a token exists.
+    """
     import ray
 
     if address != "local":
+        if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
         try:
             ray.init(address=address, log_to_driver=False)
             return False
-        except ConnectionError:
+        except ConnectionError as e:
+            if address != "auto":
+                raise ConnectionError(f"address: no Ray cluster answers at {address}") from e
             logger.info("no running Ray cluster found; starting a local one")
     workers = config.num_unified_workers + config.prefill_workers + config.decode_workers
     # Logical CPUs: every worker gets its share even on a small machine.
     cpus = max(os.cpu_count() or 1, int(workers * config.num_cpus_per_worker) + 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # address="local": a stale RAY_ADDRESS or /tmp/ray/ray_current_cluster is not joined.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
 
 

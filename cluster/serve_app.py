@@ -1,4 +1,5 @@
-"""The Ray Serve application: one ingress deployment that owns the workers and the router.
+"""The Ray Serve application: worker deployments behind kvmesh's request router, and a
+stateless ingress in front of them.
 
 - HTTP: the OpenAI routes of ``openai_api.build_api`` over ``ClusterBackend``.
 - Python: ``handle.generate.remote(request)`` where ``request`` is a dict like an OpenAI
@@ -10,8 +11,8 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,10 +21,12 @@ from ray import serve
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.frontend import ClusterBackend
+from kvmesh.cluster.worker_deployment import WorkerDeployment
 from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 APP_NAME = "kvmesh"
+WORKER_DEPLOYMENT_PREFIX = "kvmesh-"
 _SAMPLING_KEYS = (
     "max_tokens",
     "temperature",
@@ -34,7 +37,6 @@ _SAMPLING_KEYS = (
     "ignore_eos",
     "logprobs",
 )
-_ids = itertools.count()
 
 
 def parse_request(d: dict[str, Any]) -> GenerateRequest:
@@ -47,7 +49,7 @@ def parse_request(d: dict[str, Any]) -> GenerateRequest:
     if ("prompt" in d) == ("messages" in d):
         raise ValueError("prompt: give exactly one of prompt or messages")
     params = SamplingParams(**{k: d[k] for k in _SAMPLING_KEYS if k in d})
-    rid = str(d.get("request_id") or f"kvmesh-{next(_ids)}")
+    rid = str(d.get("request_id") or f"kvmesh-{uuid.uuid4().hex}")
     return GenerateRequest(rid, params, prompt=d.get("prompt"), messages=d.get("messages"))
 
 
@@ -82,16 +84,13 @@ def chunk_dict(c: Chunk) -> dict[str, Any]:
     return out
 
 
-@serve.deployment(
-    num_replicas=1,
-    max_ongoing_requests=512,
-    ray_actor_options={"num_cpus": 0},  # the workers need the cores
-)
 @serve.ingress()
 class KvmeshServer:
-    def __init__(self, config: dict[str, Any]) -> None:
+    """The ingress: stateless, so it may have several replicas (``ingress_replicas``)."""
+
+    def __init__(self, config: dict[str, Any], workers: dict[str, Any]) -> None:
         self.config = ServeConfig.from_dict(config)
-        self.backend = ClusterBackend(self.config)
+        self.backend = ClusterBackend(self.config, workers)
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvmesh.cluster.metrics import ServeMetrics
@@ -102,6 +101,7 @@ class KvmeshServer:
             model_name=self.config.model_name,
             api_key=self.config.api_key,
             metrics=ServeMetrics(),
+            max_request_bytes=self.config.max_request_bytes,
         )
 
     async def generate(self, request: dict[str, Any]) -> Any:
@@ -118,22 +118,83 @@ class KvmeshServer:
     async def stats(self) -> dict[str, Any]:
         return await self.backend.stats()
 
-    async def kill_worker(self, name: str) -> None:
-        """Fault injection for tests and drills: kill one worker actor."""
-        import ray
 
-        ray.kill(self.backend.workers[name])
+def _worker_deployment(config: ServeConfig, role: str, count: int, most: int | None) -> Any:
+    """One role's worker deployment: a fixed count, or autoscaling between count and most."""
+    from ray.serve.config import RequestRouterConfig
 
-    def __del__(self) -> None:
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            backend.shutdown()
+    from kvmesh.cluster.request_router import KvAwareRequestRouter, RoundRobinRequestRouter
+
+    routers: dict[str, Any] = {
+        "kv_aware": KvAwareRequestRouter,
+        "round_robin": RoundRobinRequestRouter,
+    }
+    options: dict[str, Any] = {
+        "name": f"{WORKER_DEPLOYMENT_PREFIX}{role}",
+        "max_ongoing_requests": config.max_num_seqs * 4,
+        "health_check_period_s": config.health_check_period_s,
+        "health_check_timeout_s": config.health_check_period_s * 10,
+        "graceful_shutdown_timeout_s": config.drain_timeout_s,
+        # The replica is a thin proxy; its engine actor takes the worker's resources from
+        # this bundle, so Serve reserves them with the replica (and the autoscaler sees them).
+        "ray_actor_options": {"num_cpus": 0},
+        "placement_group_bundles": [_worker_bundle(config)],
+    }
+    if most is None:
+        options["num_replicas"] = count
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": count,
+            "max_replicas": most,
+            "initial_replicas": count,
+            "target_ongoing_requests": config.target_ongoing_requests,
+            "upscale_delay_s": 2.0,
+            "downscale_delay_s": config.downscale_delay_s,
+        }
+    if config.router in routers:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=routers[config.router],
+            request_router_kwargs={
+                "role": role,
+                "block_size": config.block_size,
+                "connector": config.connector,
+            }
+            if config.router == "kv_aware"
+            else {},
+            request_routing_stats_period_s=1.0,
+            request_routing_stats_timeout_s=5.0,
+        )
+    return serve.deployment(WorkerDeployment).options(**options).bind(config.to_dict(), role)
+
+
+def _worker_bundle(config: ServeConfig) -> dict[str, float]:
+    import ray
+
+    gpus = config.num_gpus_per_worker
+    if gpus is None:
+        gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
+    bundle = {"CPU": config.num_cpus_per_worker}
+    if gpus:
+        bundle["GPU"] = gpus
+    return bundle
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """The Serve application for ``args`` (ServeConfig fields); a Serve ``import_path``."""
+    """The Serve application for ``args`` (ServeConfig fields); a Serve ``import_path``.
+
+    Deployments: ``kvmesh-worker`` (or ``kvmesh-prefill`` + ``kvmesh-decode``) and the
+    ingress ``KvmeshServer``.
+    """
     config = ServeConfig.from_dict(dict(args or {}))
-    return KvmeshServer.bind(config.to_dict())
+    workers = {role: _worker_deployment(config, role, c, m) for role, c, m in config.roles}
+    ingress = serve.deployment(
+        KvmeshServer,
+        name="KvmeshServer",
+        num_replicas=config.ingress_replicas,
+        max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0},  # the workers need the cores
+    )
+    return ingress.bind(config.to_dict(), workers)
 
 
 def deploy(config: ServeConfig) -> serve.handle.DeploymentHandle:

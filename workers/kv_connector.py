@@ -69,6 +69,16 @@ class KvCacheConnector(ABC):
     def on_clear(self) -> None:
         """The local prefix cache was reset."""
 
+    def flush(self) -> int:
+        """Publish what was observed so far now (e.g. a prompt's blocks, for a peer waiting
+        to pull them); returns how many batches went out. Callable from any thread; never
+        raises for an unreachable peer."""
+        return 0
+
+    def get_stats(self) -> dict[str, float]:
+        """Cumulative counters (pulls, bytes, failures, seconds); no remote call."""
+        return {}
+
     def close(self) -> None:
         """The worker is shutting down: flush, deregister, release resources."""
 

@@ -64,6 +64,7 @@ class Worker:
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count()
         self._stop = threading.Event()
+        self._progress_at = time.monotonic()  # the step thread's last finished iteration
         self.kv.connector.attach(self.serve_peers)
         self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-step", daemon=True)
         self._thread.start()
@@ -83,6 +84,18 @@ class Worker:
             else:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
+            self._progress_at = time.monotonic()
+
+    def check_health(self, stall_s: float) -> None:
+        """Raise RuntimeError when the step thread has died, or has had work and finished no
+        iteration for ``stall_s`` (wedged: a hung kernel, a deadlock)."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"{self.worker_id}: the step thread has died")
+        stalled = time.monotonic() - self._progress_at
+        if stalled > stall_s and self.engine.has_unfinished():
+            raise RuntimeError(
+                f"{self.worker_id}: the step thread made no progress for {stalled:.0f} s"
+            )
 
     def serve_peers(self) -> None:
         """Run queued pin/release commands and release expired leases (step thread only)."""
@@ -119,11 +132,22 @@ class Worker:
         return fut.result(timeout)
 
     def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        resumed_token_ids: Sequence[int] = (),
     ) -> Iterator[StreamDelta]:
-        """Queue a request; yield its deltas as the step thread produces them."""
+        """Queue a request; yield its deltas as the step thread produces them.
+
+        ``resumed_token_ids``: output tokens another worker already streamed; the deltas go
+        on from there (see ``LLMEngine.make_request``).
+        """
         deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
-        tracked = self.engine.make_request(prompt, params, on_delta=deltas.put)  # validates
+        # Validates, and replays resumed tokens through the detokenizer, on this thread.
+        tracked = self.engine.make_request(
+            prompt, params, on_delta=deltas.put, resumed_token_ids=resumed_token_ids
+        )
         rid = self.call(lambda: self.engine.enqueue(tracked))
         finished = False
         try:
@@ -138,9 +162,13 @@ class Worker:
                 self.call(lambda: self.engine.abort(rid))
 
     def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        resumed_token_ids: Sequence[int] = (),
     ) -> RequestOutput:
-        for delta in self.stream(prompt, params):
+        for delta in self.stream(prompt, params, resumed_token_ids=resumed_token_ids):
             if delta.output is not None:
                 return delta.output
         raise RuntimeError("request ended without an output")

@@ -51,14 +51,22 @@ class WorkerActor:
         }
 
     def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        resumed_token_ids: Sequence[int] = (),
     ) -> RequestOutput:
-        return self.worker.generate(prompt, params)
+        return self.worker.generate(prompt, params, resumed_token_ids=resumed_token_ids)
 
     def generate_stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        resumed_token_ids: Sequence[int] = (),
     ) -> Iterator[StreamDelta]:
-        yield from self.worker.stream(prompt, params)
+        yield from self.worker.stream(prompt, params, resumed_token_ids=resumed_token_ids)
 
     def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[int, list[int]] | None:
         return self.worker.pin(hashes, lease_s)
@@ -78,9 +86,21 @@ class WorkerActor:
     def load(self) -> dict[str, int]:
         return self.worker.load()
 
-    def connector_call(self, method: str, *args: Any) -> Any:
-        """Call a method of this worker's connector (e.g. "flush", "stats")."""
-        return getattr(self.worker.kv.connector, method)(*args)
+    def flush_events(self) -> int:
+        """Publish this worker's buffered index events now; how many batches went out."""
+        return self.worker.kv.connector.flush()
+
+    def peer_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``hashes`` a peer offers (the connector's lookup, on the
+        step thread, which owns the connector's lookup state)."""
+        return self.worker.call(lambda: self.worker.kv.connector.lookup(list(hashes)))
+
+    def connector_stats(self) -> dict[str, float]:
+        return self.worker.kv.connector.get_stats()
+
+    def health(self, stall_s: float) -> None:
+        """Raises when the step thread died or made no progress for ``stall_s`` with work."""
+        self.worker.check_health(stall_s)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

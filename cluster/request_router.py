@@ -1,0 +1,186 @@
+"""kvmesh's routing policies as Ray Serve request routers, set on the worker deployments.
+
+``KvAwareRequestRouter`` runs the cost model of ``router.py`` (docs/router.md) inside Serve's
+routing loop: for each request it reads the block-hash chain the ingress computed, asks the
+index which worker holds or is computing how much of it (one ``route_lookup``), takes each
+replica's queue length from Serve's own cache and the measured costs each replica reports
+(``record_routing_stats``), and ranks the replicas. Its decision travels to the worker as the
+request's ``Plan``, and the prompt is recorded in the index as a pending entry, so every
+ingress replica (each has its own router) sees what is being computed where.
+
+If the index is down, routing falls back to load only; nothing fails because of it.
+``RoundRobinRequestRouter`` is the baseline; ``least_loaded`` is Serve's own power-of-two
+router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from kvmesh.cluster.router import Router, WorkerView
+from kvmesh.cluster.worker_deployment import worker_name
+from kvmesh.cluster.worker_request import Plan, WorkerRequest
+from kvmesh.connector.index_actor import get_index_actor
+
+logger = logging.getLogger(__name__)
+PENDING_TTL_S = 30.0  # a pending entry outlives a lost drop call by at most this long
+INDEX_TIMEOUT_S = 2.0
+MAX_RACES = 3  # fresh decisions after racing another router, before deciding without a claim
+INDEX_RETRY_S = 1.0  # after an index failure, route by load alone this long
+# (routing stats key, CostModel.samples key) of each measured cost.
+_COSTS = (("t_token_s", "token"), ("t_pull_block_s", "pull"), ("t_queue_s", "queue"))
+
+
+class KvAwareRequestRouter(RequestRouter):
+    def initialize_state(
+        self,
+        role: str = "worker",
+        block_size: int = 16,
+        connector: bool = True,
+    ) -> None:
+        self.role = role
+        self.router = Router("kv_aware", block_size, connector)
+        self.fingerprint: str | None = None  # the index's; the first request brings it
+        self._index: Any = None
+        self._index_down_until = 0.0
+        self._lock = asyncio.Lock()
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        request = _worker_request(pending_request)
+        if request is None or not candidate_replicas:
+            return [candidate_replicas]
+        self.fingerprint = self.fingerprint or request.fingerprint
+        replicas = {worker_name(self.role, r.replica_id.unique_id): r for r in candidate_replicas}
+        # One decision at a time in this router: a burst must see its own earlier choices.
+        # Other routers (other ingress replicas) are caught by the index: a pending entry
+        # that raced ours makes it refuse ours, and we decide again on a fresh view.
+        async with self._lock:
+            if request.plan is not None and request.plan.pending_id is not None:
+                await self._index_call("drop_pending", request.plan.pending_id)  # a re-route
+            self._learn_costs(candidate_replicas)
+            for _ in range(MAX_RACES):
+                plan = await self._plan(request, replicas)
+                if plan is not None:
+                    break
+            else:
+                plan = await self._plan(request, replicas, claim=False)
+            assert plan is not None
+            request.plan = plan
+        others = [r for w, r in sorted(replicas.items()) if w != plan.worker]
+        return [[replicas[plan.worker]], others]
+
+    async def _plan(
+        self, request: WorkerRequest, replicas: dict[str, RunningReplica], claim: bool = True
+    ) -> Plan | None:
+        """Choose a worker and record the prompt as pending there; None if another router
+        recorded the same prompt since our lookup (then decide again)."""
+        info = await self._index_call("route_lookup", request.chain) or {}
+        views = self._views(replicas, info)
+        choice = self.router.choose(sorted(replicas), views, request.num_context_tokens)
+        held = {w: d for w, d in info.get("held", {}).items() if w != choice.worker}
+        holder = max(held, key=lambda w: (held[w], w)) if held else None
+        plan = Plan(
+            worker=choice.worker,
+            local_blocks=choice.local_blocks,
+            pull_blocks=choice.pull_blocks,
+            compute_tokens=choice.compute_tokens,
+            holder=choice.wait_for or holder,
+            wait_for=choice.wait_for,
+            wait_blocks=choice.local_blocks + choice.pull_blocks if choice.wait_for else 0,
+            queue=views[choice.worker].queue,
+        )
+        blocks = request.num_context_tokens // self.router.block_size
+        if claim and info and choice.compute_tokens and blocks:
+            seen = info.get("last_pending_id")
+            args = (choice.worker, request.chain[:blocks], choice.compute_tokens)
+            plan.pending_id = await self._index_call("add_pending", *args, PENDING_TTL_S, seen)
+            if plan.pending_id is None and self._index is not None:
+                return None  # raced: the index refused the entry
+        return plan
+
+    def _views(self, replicas: dict[str, RunningReplica], info: dict) -> dict[str, WorkerView]:
+        held, pending, backlog = (info.get(k, {}) for k in ("held", "pending", "backlog"))
+        views = {}
+        for w, r in replicas.items():
+            p = pending.get(w, {})
+            views[w] = WorkerView(
+                queue=self.replica_queue_len_cache.get(r.replica_id) or 0,
+                backlog_tokens=backlog.get(w, 0),
+                depth=held.get(w, 0),
+                pending=p.get("depth", 0),
+                pending_wait_tokens=p.get("wait_tokens", 0),
+            )
+        return views
+
+    def _learn_costs(self, replicas: list[RunningReplica]) -> None:
+        """The cost model's per-token, per-pulled-block and per-queued-request times: the
+        mean of what the replicas measured (each reports its own)."""
+        cost = self.router.cost
+        for key, sample in (
+            ("t_token_s", "token"),
+            ("t_pull_block_s", "pull"),
+            ("t_queue_s", "queue"),
+        ):
+            seen = [
+                s[key]
+                for s in (r.routing_stats for r in replicas)
+                if s and s.get("samples", {}).get(sample)
+            ]
+            if seen:
+                setattr(cost, key, sum(seen) / len(seen))
+
+    async def _index_call(self, method: str, *args: Any) -> Any:
+        """One index call; None when the index is unreachable (then routing uses load only,
+        and the index is looked up by name again after ``INDEX_RETRY_S``)."""
+        if not self.router.connector or self.fingerprint is None:
+            return None
+        now = time.monotonic()
+        if now < self._index_down_until:
+            return None
+        try:
+            if self._index is None:
+                self._index = get_index_actor(self.fingerprint)
+            ref = getattr(self._index, method).remote(*args)
+            return await asyncio.wait_for(ref, INDEX_TIMEOUT_S)
+        except Exception as e:
+            logger.warning("index %s failed (%s); routing by load for now", method, e)
+            self._index = None  # a new or restarted index is found by name next time
+            self._index_down_until = now + INDEX_RETRY_S
+            return None
+
+
+class RoundRobinRequestRouter(RequestRouter):
+    """Each replica in turn (the baseline): no index, no queue lengths."""
+
+    def initialize_state(self, **_: Any) -> None:
+        self._turn = itertools.count()
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        i = next(self._turn) % len(ordered)
+        return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]
+
+
+def _worker_request(pending: PendingRequest | None) -> WorkerRequest | None:
+    if pending is None:
+        return None
+    for arg in pending.args:
+        if isinstance(arg, WorkerRequest):
+            return arg
+    return None

@@ -1,0 +1,217 @@
+"""``WorkerDeployment``: a kvmesh worker as a replica of a Ray Serve deployment.
+
+Serve owns the replica's life: it starts ``min`` to ``max`` replicas, routes requests to them
+through kvmesh's request router, runs ``check_health``, replaces a replica that fails it or
+dies, and drains one it stops (``graceful_shutdown_timeout_s``). The replica itself owns one
+``WorkerActor`` (the engine, its step thread and its KV pool), created in the replica's
+placement group so it sits on the same node and its resources are reserved with the replica.
+The actor stays a plain Ray actor because peers call it directly (pins, releases and block
+reads go to one particular worker, which a Serve handle cannot address); it is owned by the
+replica, so it dies with it.
+
+The worker's name is ``<role>-<replica id>``: stable for the replica's life, the name the
+index, the router, responses and metrics use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+
+from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.router import CostModel
+from kvmesh.cluster.worker_request import WorkerRequest
+from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+from kvmesh.connector.index_actor import get_index_actor
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.outputs import StreamDelta
+from kvmesh.workers.worker_actor import worker_actor_class
+
+logger = logging.getLogger(__name__)
+# Longest a request waits for a peer's in-flight prefix before it computes it itself.
+PENDING_WAIT_S = 60.0
+READY_TIMEOUT_S = 300.0  # model load on a cold node
+
+
+def worker_name(role: str, replica_unique_id: str) -> str:
+    return f"{role}-{replica_unique_id}"
+
+
+def engine_config(config: ServeConfig) -> EngineConfig:
+    return EngineConfig(
+        model=config.model,
+        block_size=config.block_size,
+        kv_cache_memory=config.kv_cache_memory,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        device=config.device,
+        dtype=config.dtype,
+        progress=False,
+    )
+
+
+class WorkerDeployment:
+    """The body of a worker replica; ``serve_app`` turns it into one deployment per role."""
+
+    def __init__(self, config: dict[str, Any], role: str) -> None:
+        self.config = ServeConfig.from_dict(config)
+        ctx = serve.get_replica_context()
+        self.name = worker_name(role, ctx.replica_id.unique_id)
+        conn = (
+            ClusterConnectorConfig(transport=self.config.transport)
+            if self.config.connector
+            else None
+        )
+        cls = worker_actor_class(self.config.num_gpus_per_worker, self.config.num_cpus_per_worker)
+        threads = max(1, int(self.config.num_cpus_per_worker))
+        self.actor = cls.options(name=None).remote(
+            self.name, engine_config(self.config), conn, threads
+        )
+        self.info: dict[str, Any] = ray.get(self.actor.ready.remote(), timeout=READY_TIMEOUT_S)
+        self.index = get_index_actor(self.info["fingerprint"]) if self.config.connector else None
+        self.cost = CostModel()
+        self._pull = (0.0, 0)  # connector's (pull seconds, pulled blocks) at the last sample
+        self._stats: dict[str, Any] = {}
+        self._closed = False
+        # Prefixes requests here are waiting for (from a peer), by their last block's hash.
+        self._arriving: dict[bytes, asyncio.Event] = {}
+        logger.info("worker %s ready", self.name)
+
+    async def worker_info(self) -> dict[str, Any]:
+        """The model's identity (fingerprint, namespace, sizes) and this worker's name."""
+        return {**self.info, "worker_id": self.name}
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
+        """Run one request; yields its deltas (the last one carries the whole output)."""
+        plan = request.plan
+        if plan is not None and plan.wait_for is not None and self.index is not None:
+            await self._wait_for_peer(request)
+        elif plan is not None and plan.local_blocks:
+            await self._wait_for_arrival(request.chain[: plan.local_blocks])
+        queue = (plan.queue if plan is not None else 0) or 0
+        gen = self.actor.generate_stream.remote(
+            request.prompt_ids, request.params, resumed_token_ids=request.resumed_ids
+        )
+        finished = False
+        first = True
+        try:
+            async for ref in gen:
+                delta: StreamDelta = await ref
+                delta.worker = self.name
+                if first and self.index is not None:
+                    first = False
+                    # The prompt's blocks are computed: publish them now for waiting peers
+                    # (their Stored event also ends this request's pending entry).
+                    self.actor.flush_events.remote()
+                if delta.output is not None:
+                    finished = True
+                    await self._observe(delta, queue)
+                yield delta
+        except RayActorError:
+            # The engine actor is gone: this replica can serve nothing more. Exit, so Serve
+            # stops routing here and starts a replacement (the caller migrates the request).
+            logger.error("worker %s lost its engine actor; exiting the replica", self.name)
+            ray.kill(ray.get_runtime_context().current_actor)
+            raise
+        finally:
+            if not finished:
+                ray.cancel(gen)
+            if plan is not None and plan.pending_id is not None and self.index is not None:
+                self.index.drop_pending.remote(plan.pending_id)
+
+    async def _wait_for_peer(self, request: WorkerRequest) -> None:
+        """Let a peer that is computing this prompt's prefix finish, then pull it. Requests
+        routed here after this one count on the prefix being here: they wait for it too."""
+        plan = request.plan
+        assert plan is not None and plan.wait_for is not None and self.index is not None
+        key = request.chain[plan.wait_blocks - 1]
+        arrived = self._arriving.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.wait_for(
+                self.index.wait_stored.remote(
+                    plan.wait_for, request.chain[: plan.wait_blocks], PENDING_WAIT_S
+                ),
+                PENDING_WAIT_S + 5,
+            )
+        except Exception as e:  # the index is a hint: compute what cannot be pulled
+            logger.warning("%s: waiting for %s's prefix failed: %s", self.name, plan.wait_for, e)
+        finally:
+            arrived.set()
+            if self._arriving.get(key) is arrived:
+                del self._arriving[key]
+
+    async def _wait_for_arrival(self, prefix: list[bytes]) -> None:
+        """The router counted on ``prefix`` being here: if an earlier request here is still
+        waiting for a peer to compute it, wait with it (else this one computes it again)."""
+        blocks = set(prefix)
+        for key, arrived in list(self._arriving.items()):
+            if key in blocks:
+                try:
+                    await asyncio.wait_for(arrived.wait(), PENDING_WAIT_S + 5)
+                except TimeoutError:
+                    logger.warning("%s: a prefix never arrived; computing it", self.name)
+
+    async def _observe(self, delta: StreamDelta, queue: int) -> None:
+        """Fold a finished request's measured TTFT and pull time into this worker's costs."""
+        out = delta.output
+        assert out is not None
+        m = out.metrics
+        if m.ttft_s is None:
+            return
+        pull_s = None
+        blocks = m.num_pulled_tokens // self.config.block_size
+        if blocks:
+            try:
+                stats = await self.actor.connector_stats.remote()
+                seconds, pulled = stats.get("pull_s", 0.0), int(stats.get("pulled_blocks", 0))
+                if pulled > self._pull[1]:
+                    pull_s = (seconds - self._pull[0]) / (pulled - self._pull[1]) * blocks
+                self._pull = (seconds, pulled)
+            except Exception as e:
+                logger.debug("connector stats unavailable: %s", e)
+        self.cost.observe(
+            m.ttft_s, m.num_computed_tokens, blocks, queue, pull_s=pull_s, backlog_tokens=0
+        )
+
+    async def check_health(self) -> None:
+        """Serve's health check: fails when the actor is gone or its step thread is stuck."""
+        await asyncio.wait_for(
+            self.actor.health.remote(self.config.health_stall_s),
+            self.config.health_check_period_s * 5,
+        )
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the request router reads per replica (``RunningReplica.routing_stats``)."""
+        try:
+            load = await asyncio.wait_for(self.actor.load.remote(), 5)
+        except Exception:
+            load = {}
+        c = self.cost
+        self._stats = {
+            **load,
+            "t_token_s": c.t_token_s,
+            "t_pull_block_s": c.t_pull_block_s,
+            "t_queue_s": c.t_queue_s,
+            "samples": dict(c.samples),
+            "at": time.time(),
+        }
+        return self._stats
+
+    def __del__(self) -> None:
+        """Serve stops this replica (scale down, redeploy, shutdown) after draining it:
+        deregister from the index and free the worker."""
+        if self._closed or not hasattr(self, "actor"):
+            return
+        self._closed = True
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=10)
+        except Exception as e:
+            logger.debug("worker %s already gone at shutdown: %s", self.name, e)
+        ray.kill(self.actor)

@@ -1,0 +1,66 @@
+"""Helpers for tests of the Serve app: configs, replica lookup, fault injection, waiting."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray import serve
+
+from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(**kw: Any) -> ServeConfig:
+    base = {
+        "model": "tiny-random",
+        "block_size": 4,
+        "kv_cache_memory": "8MiB",
+        "num_cpus_per_worker": 0.5,
+        "port": free_port(),
+    }
+    return ServeConfig(**{**base, **kw})
+
+
+def replica_actor(worker: str) -> Any:
+    """The Serve replica actor of worker ``<role>-<replica id>``."""
+    role, unique_id = worker.split("-", 1)
+    name = f"SERVE_REPLICA::{APP_NAME}#{WORKER_DEPLOYMENT_PREFIX}{role}#{unique_id}"
+    return ray.get_actor(name, namespace="serve")
+
+
+def kill_worker(worker: str) -> None:
+    """Kill a worker replica as a crash would (its engine actor dies with it)."""
+    ray.kill(replica_actor(worker), no_restart=True)
+
+
+def running_replicas(role: str = "worker") -> int:
+    """How many of the role's replicas Serve reports RUNNING."""
+    app = serve.status().applications[APP_NAME]
+    return app.deployments[f"{WORKER_DEPLOYMENT_PREFIX}{role}"].replica_states.get("RUNNING", 0)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def busy_worker(handle: Any) -> str | None:
+    """The worker with a running request, from the app's stats (None if none yet)."""
+    workers = handle.stats.remote().result()["workers"]
+    busy = [w for w, load in workers.items() if load["running"] or load["waiting"]]
+    return busy[0] if busy else None

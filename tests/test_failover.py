@@ -1,0 +1,156 @@
+"""The cluster heals: worker replicas killed mid-request, the index killed under load.
+
+Real Ray Serve and the tiny-random model. A killed replica's requests resume on another
+replica with exactly the tokens of an unbroken run (greedy and seeded sampling); Serve starts
+a replacement, which registers with the index and serves; the index's loss costs no request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import ray
+from ray import serve
+
+from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
+from kvmesh.connector.index_actor import get_index_actor
+from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.serve_helpers import busy_worker, kill_worker, running_replicas, tiny_config, wait_for
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
+PROMPT = list(range(7, 90))
+LONG = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def app():
+    serve.shutdown()
+    handle = deploy(tiny_config(workers=2, router="round_robin", health_check_period_s=0.5))
+    info = handle.stats.remote().result()
+    assert len(info["workers"]) == 2
+    yield handle
+    serve.shutdown()
+
+
+def _stream(handle, body: dict, kill_after: int | None = None) -> tuple[list[dict], str | None]:
+    """Stream ``body``; after ``kill_after`` chunks, kill the worker serving it."""
+    chunks, killed = [], None
+    for chunk in handle.options(stream=True).generate.remote({**body, "stream": True}):
+        chunks.append(chunk)
+        if kill_after is not None and len(chunks) == kill_after:
+            killed = wait_for(lambda: busy_worker(handle), 10, "the busy worker")
+            kill_worker(killed)
+    return chunks, killed
+
+
+def _healed(handle, n: int = 2) -> None:
+    wait_for(lambda: running_replicas() == n, 60, f"{n} running worker replicas", every=0.5)
+    wait_for(lambda: len(handle.stats.remote().result()["workers"]) == n, 30, "registration")
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, SAMPLED], ids=["greedy", "seeded"])
+def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -> None:
+    body = {**LONG, **sampling}
+    unbroken = app.generate.remote(body).result()
+    chunks, killed = _stream(app, body, kill_after=40)
+    assert killed is not None
+    tokens = [t for c in chunks for t in c["token_ids"]]
+    assert tokens == unbroken["token_ids"]  # nothing lost, nothing repeated
+    assert "".join(c["text"] for c in chunks) == unbroken["text"]
+    last = chunks[-1]
+    assert last["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == 400
+    assert last["usage"]["prompt_tokens"] == len(PROMPT)
+    assert last["kvmesh"]["migrations"] == 1
+    assert last["kvmesh"]["worker"] != killed
+    _healed(app)
+
+
+def test_non_streaming_request_resumes(app) -> None:
+    body = {**LONG, **SAMPLED, "seed": 11, "logprobs": 1}
+    unbroken = app.generate.remote(body).result()
+    pending = app.generate.remote(body)
+    kill_worker(wait_for(lambda: busy_worker(app), 10, "the busy worker", every=0.02))
+    out = pending.result()
+    assert out["token_ids"] == unbroken["token_ids"]
+    assert out["text"] == unbroken["text"]
+    assert out["kvmesh"]["migrations"] == 1
+    assert len(out["logprobs"]) == len(out["token_ids"])
+    for tok, entry in zip(out["token_ids"], out["logprobs"], strict=True):
+        assert tok in entry
+    _healed(app)
+
+
+def test_requests_sent_to_a_dead_replica_are_routed_again(app) -> None:
+    victim = next(iter(app.stats.remote().result()["workers"]))
+    kill_worker(victim)
+    calls = [
+        app.generate.remote({"prompt": [3, 4, 5, i], "max_tokens": 4, "temperature": 0})
+        for i in range(6)
+    ]
+    outs = [c.result() for c in calls]
+    assert all(o["finish_reason"] == "length" and len(o["token_ids"]) == 4 for o in outs)
+    assert all(o["kvmesh"]["worker"] != victim for o in outs)
+    _healed(app)
+
+
+def test_replacement_registers_and_pulls_a_prefix(app) -> None:
+    before = set(app.stats.remote().result()["workers"])
+    victim = sorted(before)[0]
+    kill_worker(victim)
+    wait_for(lambda: victim not in app.stats.remote().result()["workers"], 10, "the index purge")
+    _healed(app)
+    after = set(app.stats.remote().result()["workers"])
+    (new,) = after - before
+    prompt = list(range(200, 300))
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = app.generate.remote(body).result()
+    # Round robin: one of the next two lands on the replacement, which pulls the prefix
+    # (unless it computed it first itself, then the other pulls from it).
+    outs = [app.generate.remote(body).result() for _ in range(2)]
+    assert all(o["token_ids"] == first["token_ids"] for o in outs)
+    served = [first, *outs]
+    assert new in {o["kvmesh"]["worker"] for o in served}
+    assert all(o["kvmesh"]["computed_tokens"] < len(prompt) for o in served[1:])
+    assert any(o["kvmesh"]["pulled_tokens"] > 0 for o in served[1:])
+
+
+def _fingerprint() -> str:
+    """The served model's fingerprint (it names the index actor), from a worker replica."""
+    workers = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", APP_NAME)
+    return workers.worker_info.remote().result()["fingerprint"]
+
+
+def test_index_killed_under_load_fails_no_request(app) -> None:
+    fingerprint = _fingerprint()
+    bodies = [
+        {"prompt": [*PROMPT, i], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        for i in range(12)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(lambda b=b: app.generate.remote(b).result()) for b in bodies]
+        time.sleep(0.3)
+        ray.kill(get_index_actor(fingerprint))  # for good: workers must recreate it by name
+        killed_at = time.monotonic()
+        outs = [f.result() for f in futures]
+    assert all(len(o["token_ids"]) == 60 for o in outs)
+
+    def registered() -> bool:
+        try:
+            return len(ray.get(get_index_actor(fingerprint).workers.remote(), timeout=2)) == 2
+        except Exception:
+            return False
+
+    wait_for(registered, 10, "both workers in the new index")
+    assert time.monotonic() - killed_at < 10
+    # And the cluster still shares KV: the second of two requests for a prompt pulls it
+    # (round robin puts them on different workers).
+    prompt = list(range(220, 300))
+    outs = [
+        app.generate.remote({"prompt": prompt, "max_tokens": 2, "temperature": 0}).result()
+        for _ in range(2)
+    ]
+    assert outs[1]["kvmesh"]["computed_tokens"] < len(prompt)
