@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+import openai
 import pytest
 import ray
 from ray import serve
@@ -26,13 +27,19 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 
 @pytest.fixture(scope="module")
-def app():
+def served():
     serve.shutdown()
-    handle = deploy(tiny_config(workers=2, router="round_robin", health_check_period_s=0.5))
+    config = tiny_config(workers=2, router="round_robin", health_check_period_s=0.5)
+    handle = deploy(config)
     info = handle.stats.remote().result()
     assert len(info["workers"]) == 2
-    yield handle
+    yield handle, config
     serve.shutdown()
+
+
+@pytest.fixture
+def app(served):
+    return served[0]
 
 
 def _stream(handle, body: dict, kill_after: int | None = None) -> tuple[list[dict], str | None]:
@@ -154,3 +161,24 @@ def test_index_killed_under_load_fails_no_request(app) -> None:
         for _ in range(2)
     ]
     assert outs[1]["kvmesh"]["computed_tokens"] < len(prompt)
+
+
+def test_a_client_that_hangs_up_frees_the_worker(served) -> None:
+    """A stream closed by its HTTP client is aborted on its worker within a second or two
+    (the request leaves the batch and frees its blocks)."""
+    app, config = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none")
+    stream = client.completions.create(
+        model=config.model_name,
+        prompt=PROMPT,
+        max_tokens=1500,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for _, _chunk in zip(range(10), stream, strict=False):
+        pass
+    assert wait_for(lambda: busy_worker(app), 10, "the busy worker")
+    stream.close()
+    closed = time.monotonic()
+    wait_for(lambda: busy_worker(app) is None, 10, "the worker to drop the request", every=0.05)
+    assert time.monotonic() - closed < 2.0

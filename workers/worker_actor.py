@@ -1,11 +1,16 @@
 """The worker as a Ray actor: a thin wrapper over ``Worker`` (see its thread model).
 
-The actor is threaded (``max_concurrency``): streams, pins from peers and block exports are
-served concurrently; only ``Worker``'s step thread touches the engine.
+The actor is threaded, in three concurrency groups, so no kind of call can starve another:
+streams (the default group, one thread per request for its whole life), ``peers`` (pins,
+releases and block exports from pulling peers) and ``control`` (health checks, load, stats,
+flushes). A full house of long streams must not make the health check time out (Serve
+would kill a healthy worker) nor a peer's pull wait. Only ``Worker``'s step thread touches
+the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,7 +26,10 @@ from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.sampling_params import SamplingParams
 from kvmesh.workers.worker import Worker
 
-MAX_CONCURRENCY = 64
+MAX_CONCURRENCY = 64  # streams
+CONCURRENCY_GROUPS = {"peers": 16, "control": 8}
+_peers = ray.method(concurrency_group="peers")
+_control = ray.method(concurrency_group="control")
 
 
 class WorkerActor:
@@ -37,6 +45,7 @@ class WorkerActor:
             torch.set_num_threads(max(1, num_threads))
         self.worker = Worker(worker_id, config, connector)
 
+    @_control
     def ready(self) -> dict[str, Any]:
         eng = self.worker.engine
         return {
@@ -66,42 +75,62 @@ class WorkerActor:
         *,
         resumed_token_ids: Sequence[int] = (),
     ) -> Iterator[StreamDelta]:
-        yield from self.worker.stream(prompt, params, resumed_token_ids=resumed_token_ids)
+        ctx = ray.get_runtime_context()
+        # A caller that went away (a closed HTTP stream) cancels this task: a threaded actor
+        # cannot be interrupted, so check between tokens; closing the stream aborts the
+        # request and frees its blocks.
+        stream = self.worker.stream(prompt, params, resumed_token_ids=resumed_token_ids)
+        with contextlib.closing(stream):
+            for delta in stream:
+                if ctx.is_canceled():
+                    return
+                yield delta
 
+    @_peers
     def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[int, list[int]] | None:
         return self.worker.pin(hashes, lease_s)
 
+    @_peers
     def release(self, lease_id: int) -> None:
         self.worker.release(lease_id)
 
+    @_peers
     def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         return self.worker.export_blocks(block_ids)
 
+    @_control
     def cached_hashes(self) -> list[BlockHash]:
         return self.worker.cached_hashes()
 
+    @_control
     def num_leases(self) -> int:
         return self.worker.num_leases()
 
+    @_control
     def load(self) -> dict[str, int]:
         return self.worker.load()
 
+    @_control
     def flush_events(self) -> int:
         """Publish this worker's buffered index events now; how many batches went out."""
         return self.worker.kv.connector.flush()
 
+    @_control
     def peer_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of ``hashes`` a peer offers (the connector's lookup, on the
         step thread, which owns the connector's lookup state)."""
         return self.worker.call(lambda: self.worker.kv.connector.lookup(list(hashes)))
 
+    @_control
     def connector_stats(self) -> dict[str, float]:
         return self.worker.kv.connector.get_stats()
 
+    @_control
     def health(self, stall_s: float) -> None:
         """Raises when the step thread died or made no progress for ``stall_s`` with work."""
         self.worker.check_health(stall_s)
 
+    @_control
     def shutdown(self) -> None:
         self.worker.shutdown()
 
@@ -110,6 +139,9 @@ def worker_actor_class(num_gpus: float | None = None, num_cpus: float = 1) -> An
     """``WorkerActor`` as a Ray actor class; ``num_gpus`` defaults to 1 when Ray sees a GPU."""
     if num_gpus is None:
         num_gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=MAX_CONCURRENCY)(
-        WorkerActor
-    )
+    return ray.remote(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_concurrency=MAX_CONCURRENCY,
+        concurrency_groups=CONCURRENCY_GROUPS,
+    )(WorkerActor)
