@@ -1,6 +1,7 @@
 """The C kernels for CPU: quantized matmuls against gguf's own dequantizer and F.linear, the paged
 attention kernel against a dense reference, and an engine on quantized GGUF weights against
-HF transformers loading the same file."""
+HF transformers loading the same file. Each test runs once per build (AVX-512, AVX2 + FMA) that
+this CPU can run; the two builds must also agree bit for bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GT
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.workers import cpu_kernels
 from kvmesh.workers.attention import TorchAttentionBackend
 from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.loader import load_weights
@@ -22,8 +24,21 @@ from kvmesh.workers.qmatmul import QuantizedWeight, dequantize, fuse, pack, qmat
 from tests.gguf_helpers import write_gguf
 from tests.test_attention import make_case
 
-pytestmark = pytest.mark.skipif(kernel_library() is None, reason="needs AVX-512 and a C compiler")
 TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0]
+ISA_BITS = {"avx512": 512, "avx2": 256}
+
+
+@pytest.fixture(autouse=True, params=list(ISA_BITS))
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test with `KVMESH_CPU_ISA` set to each build in turn (so qmatmul and the
+    attention backend load that build), skipped where this CPU or compiler can't have it."""
+    monkeypatch.delenv("KVMESH_CPU_KERNELS", raising=False)
+    lib = kernel_library(request.param)
+    if lib is None:
+        pytest.skip(f"no {request.param} build here (CPU flags or C compiler)")
+    assert lib.kvmesh_isa_bits() == ISA_BITS[request.param]
+    monkeypatch.setenv("KVMESH_CPU_ISA", request.param)
+    return request.param
 
 
 def quantized(n: int, k: int, qtype: GT, scale: float = 0.05, seed: int = 0):
@@ -157,3 +172,73 @@ def test_fused_projections_equal_separate_ones() -> None:
     other, _ = quantized(16, 64, GT.Q8_0)
     assert fuse([pa, pack(odd)]) is None  # a partial panel would shift the rows after it
     assert fuse([pa, pack(other)]) is None
+
+
+def test_builds_agree_bit_for_bit(isa: str) -> None:
+    # The AVX2 code sums in the AVX-512 code's order, and computes exp the same way. 45 rows:
+    # the last panel's second 8-row half is partial; 21 rows of x: 16 + 5 and 8 + 8 + 5.
+    if isa != "avx2" or kernel_library("avx512") is None:
+        pytest.skip("compares the AVX2 build with the AVX-512 build on a CPU that has both")
+    x = torch.randn(21, 96, generator=torch.Generator().manual_seed(1))
+    for qtype in TYPES:
+        pw = pack(quantized(45, 96, qtype)[0])
+        got = qmatmul(x, pw)
+        assert cpu_kernels.kernel_library().kvmesh_isa_bits() == 256
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVMESH_CPU_ISA", "avx512")
+            assert torch.equal(qmatmul(x, pw), got)
+    case = dict(query_lens=[20, 1, 1, 3, 1], seq_lens=[140, 300, 129, 200, 128], hq=9, hkv=3)
+    out, _, _ = make_case(TorchAttentionBackend(cpu_kernel=True), **case, block_size=16,
+                          num_blocks=80)  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVMESH_CPU_ISA", "avx512")
+        out512, _, _ = make_case(TorchAttentionBackend(cpu_kernel=True), **case, block_size=16,
+                                 num_blocks=80)  # fmt: skip
+    assert torch.equal(out, out512)
+
+
+# Overrides the autouse `isa` fixture: these run whatever the CPU is.
+@pytest.mark.parametrize("isa", ["any"])
+def test_fallback_reason_is_logged_once(
+    isa: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "_reported", set())
+    caplog.set_level("INFO", logger=cpu_kernels.__name__)
+    monkeypatch.setenv("KVMESH_CPU_KERNELS", "0")
+    assert kernel_library() is None and kernel_library() is None
+    assert kernel_library("avx2") is None
+    monkeypatch.delenv("KVMESH_CPU_KERNELS")
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx1024")
+    assert kernel_library() is None and kernel_library() is None
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == [
+        "CPU kernels off, pure torch instead: KVMESH_CPU_KERNELS=0",
+        "CPU kernels off, pure torch instead: KVMESH_CPU_ISA='avx1024' is none of auto, "
+        "avx512, avx2",
+    ]
+
+
+@pytest.mark.parametrize("isa", ["any"])
+def test_a_cpu_without_the_flags_falls_back(
+    isa: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "_reported", set())
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu sse2 avx f16c")
+    cpu_kernels._load.cache_clear()
+    try:
+        caplog.set_level("INFO", logger=cpu_kernels.__name__)
+        monkeypatch.delenv("KVMESH_CPU_KERNELS", raising=False)
+        monkeypatch.setenv("KVMESH_CPU_ISA", "auto")
+        assert kernel_library() is None and kernel_library() is None
+        assert kernel_library("avx2") is None
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : avx avx2 fma f16c")
+        cpu_kernels._load.cache_clear()
+        assert cpu_kernels.supported_isas() == ["avx2"]
+        assert kernel_library("avx512") is None
+    finally:
+        cpu_kernels._load.cache_clear()  # later tests load the real builds again
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "this CPU has neither AVX-512 nor AVX2 + FMA + F16C",
+        "the avx2 build needs avx2 fma, which this CPU lacks",
+        "the avx512 build needs avx512f, which this CPU lacks",
+    ]

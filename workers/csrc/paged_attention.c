@@ -15,7 +15,8 @@
  *
  * Layouts: q, out [T, hq, d]; k_cache, v_cache [N, block_size, hkv, d]; d a multiple of 8.
  * Every row of q (0 .. T-1) must be listed by some item and see at least one key.
- * The inner loops run over 16 query heads at once, one AVX-512 vector.
+ * The inner loops run over the query heads a vector holds at once: 16 with AVX-512, 8 with
+ * AVX2 + FMA (whichever the compiler targets; both builds give the same results).
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,10 +25,17 @@
 
 #include <immintrin.h>
 
-#if !defined(__AVX512F__)
-#error "kvmesh's CPU kernels need AVX-512 (cpu_kernels.py only builds them where the CPU has it)"
+#if defined(__AVX512F__)
+#define KV_AVX512 1
+enum { VL = 16 }; /* query heads per vector */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KV_AVX512 0
+enum { VL = 8 };
+#else
+#error "kvmesh's CPU kernels need AVX-512 or AVX2 + FMA (cpu_kernels.py checks the CPU first)"
 #endif
 
+/* LANES: the padding of the partials' layout, the same in both builds. */
 enum { LANES = 16, CHUNK = 128, TU = 8 /* keys (or d) per register tile */ };
 
 typedef struct {
@@ -44,7 +52,8 @@ typedef struct {
 
 static int64_t pad16(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
 
-/* One vector of LANES query heads (lane l of qt/s/lim/pm/pl/pacc; rows `stride` apart) against
+#if KV_AVX512
+/* One vector of VL query heads (lane l of qt/s/lim/pm/pl/pacc; rows `stride` apart) against
  * keys krow/vrow[0 .. n), which sit at positions c0 .. c0+n-1 of the item: scores into s,
  * then the partials (max, sum of exponentials, exp-weighted V sums) into pm, pl, pacc. */
 /* exp(x) for x <= 0 (scores minus their max), 16 lanes; below -87 (and -inf) -> 0. Cephes'
@@ -110,7 +119,74 @@ static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
         for (int u = 0; u < TU; u++) _mm512_storeu_ps(pacc + (d0 + u) * stride, acc[u]);
     }
 }
+#endif
 
+#if !KV_AVX512
+/* exp(x) for x <= 0, 8 lanes: exp512_nonpos's steps, with 2^n built in the exponent bits
+ * (n >= -126 here, so 2^n is normal and y * 2^n rounds as scalef does). */
+static inline __m256 exp256_nonpos(__m256 x) {
+    __m256 low = _mm256_set1_ps(-87.0f);
+    __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    __m256 xc = _mm256_max_ps(x, low);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(y, _mm256_setzero_ps(), tiny);
+}
+
+static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
+                  const float *const *krow, const float *const *vrow, int n, int c0, int d,
+                  float *pm, float *pl, float *pacc) {
+    __m256i limv = _mm256_loadu_si256((const __m256i *)lim);
+    __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int t0 = 0; t0 < n; t0 += TU) {
+        __m256 acc[TU];
+        for (int u = 0; u < TU; u++) acc[u] = _mm256_setzero_ps();
+        for (int dd = 0; dd < d; dd++) {
+            __m256 qv = _mm256_loadu_ps(qt + dd * stride);
+            for (int u = 0; u < TU; u++)
+                acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(krow[t0 + u][dd]), qv, acc[u]);
+        }
+        int tu = n - t0 < TU ? n - t0 : TU;
+        for (int u = 0; u < tu; u++) {
+            __m256 seen = _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(limv, _mm256_set1_epi32(c0 + t0 + u)));
+            _mm256_storeu_ps(s + (t0 + u) * stride, _mm256_blendv_ps(ninf, acc[u], seen));
+        }
+    }
+    __m256 mx = ninf, sum = _mm256_setzero_ps();
+    for (int t = 0; t < n; t++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t * stride));
+    /* A lane with no visible key here keeps sum 0 and is skipped by the merge. */
+    __m256 base = _mm256_blendv_ps(mx, _mm256_setzero_ps(), _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
+    for (int t = 0; t < n; t++) {
+        __m256 p = exp256_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t * stride), base));
+        _mm256_storeu_ps(s + t * stride, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    _mm256_storeu_ps(pm, mx);
+    _mm256_storeu_ps(pl, sum);
+    for (int d0 = 0; d0 < d; d0 += TU) {
+        __m256 acc[TU];
+        for (int u = 0; u < TU; u++) acc[u] = _mm256_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            __m256 pv = _mm256_loadu_ps(s + t * stride);
+            for (int u = 0; u < TU; u++)
+                acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(vrow[t][d0 + u]), pv, acc[u]);
+        }
+        for (int u = 0; u < TU; u++) _mm256_storeu_ps(pacc + (d0 + u) * stride, acc[u]);
+    }
+}
+#endif
 
 /* One task: the partials of item `it`'s queries, query heads of KV head h, over keys
  * [c0, c1) of the item. `scratch` holds (CHUNK + d) * nj_pad floats. */
@@ -142,7 +218,8 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
     }
 
     float *pm = parts + tk->part, *pl = pm + njp, *pacc = pl + njp;
-    for (int64_t j0 = 0; j0 < njp; j0 += LANES)
+    /* Vectors past the last query head hold only padding, which the merge never reads. */
+    for (int64_t j0 = 0; j0 < nj; j0 += VL)
         lanes(qt + j0, s + j0, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0, pacc + j0);
 }
 

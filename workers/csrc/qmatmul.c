@@ -20,19 +20,31 @@
  *   Q8_0: q[32][16] int8, q[j][r] = weight j of row r.
  * Rows past N in the last panel are zero. x is float32 [M, K], y float32 [M, N], row-major.
  *
- * Built by workers/cpu_kernels.py with `cc -O3 -march=native -fopenmp`, on AVX-512 CPUs.
+ * Built by workers/cpu_kernels.py with `cc -O3 -march=native -fopenmp`: AVX-512 code where the
+ * compiler targets AVX-512F, else AVX2 + FMA code (8-wide: a panel is two vectors, each pass
+ * over x takes at most 8 rows so the accumulators fit in 16 registers). Both sum every output
+ * in the same order, so the two builds give bit-identical results.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include <immintrin.h>
 
-#if !defined(__AVX512F__) || !defined(__F16C__)
-#error "kvmesh's CPU kernels need AVX-512 (cpu_kernels.py only builds them where the CPU has it)"
+#if defined(__AVX512F__) && defined(__F16C__)
+#define KV_AVX512 1
+enum { MAX_ROWS = 16 /* x rows per pass */ };
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KV_AVX512 0
+enum { MAX_ROWS = 8 };
+#else
+#error "kvmesh's CPU kernels need AVX-512 or AVX2 + FMA (cpu_kernels.py checks the CPU first)"
 #endif
 
 enum { KVQ_Q4_0 = 2, KVQ_Q4_1 = 3, KVQ_Q8_0 = 8 }; /* ggml type ids */
-enum { PANEL = 16, GROUP = 32, MAX_ROWS = 16 /* x rows per pass */ };
+enum { PANEL = 16, GROUP = 32 };
+
+/* The vector width this library was built for: 512 (AVX-512) or 256 (AVX2 + FMA). */
+int kvmesh_isa_bits(void) { return KV_AVX512 ? 512 : 256; }
 
 static int block_bytes(int type) {
     switch (type) {
@@ -85,6 +97,7 @@ int kvq_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
     return 0;
 }
 
+#if KV_AVX512
 /* y[0:mb, n0:n0+16] for one panel; mb <= MAX_ROWS. Constant type and mb per call site. */
 static inline __attribute__((always_inline)) void panel(int type, const float *x, int64_t k,
                                                         const uint8_t *pw, int mb, float *y,
@@ -132,8 +145,82 @@ static inline __attribute__((always_inline)) void panel(int type, const float *x
     for (int i = 0; i < mb; i++) _mm512_mask_storeu_ps(y + i * n + n0, mask, acc[i]);
 }
 
+#else
+/* y[0:mb, n0:n0+16] for one panel; mb <= MAX_ROWS. Constant type and mb per call site.
+ * Each 8-row half of the panel is a pass over k; per output the order of the sums (g, then j
+ * with its low and high nibble) is the AVX-512 kernel's. */
+static inline __attribute__((always_inline)) void panel(int type, const float *x, int64_t k,
+                                                        const uint8_t *pw, int mb, float *y,
+                                                        int64_t n, int64_t n0) {
+    int64_t nb = k / GROUP, rec = record_bytes(type);
+    for (int h = 0; h < 2; h++) {
+        int64_t left = n - n0 - 8 * h;
+        if (left <= 0) break; /* rows past N only */
+        __m256 acc[MAX_ROWS];
+        for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < nb; g++) {
+            const uint8_t *o = pw + g * rec;
+            const float *xg = x + g * GROUP;
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * h)));
+            if (type == KVQ_Q8_0) {
+                const uint8_t *q = o + 2 * PANEL + 8 * h;
+                for (int j = 0; j < 32; j++) {
+                    __m128i qb = _mm_loadl_epi64((const __m128i *)(q + j * PANEL));
+                    __m256 w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qb)));
+                    for (int i = 0; i < mb; i++)
+                        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(xg[i * k + j]), w, acc[i]);
+                }
+                continue;
+            }
+            __m256 m;
+            const uint8_t *q;
+            if (type == KVQ_Q4_1) {
+                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 2 * PANEL + 16 * h)));
+                q = o + 4 * PANEL + 8 * h;
+            } else {
+                m = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); /* d*(q-8) = d*q - 8d, all exact */
+                q = o + 2 * PANEL + 8 * h;
+            }
+            for (int j = 0; j < 16; j++) {
+                __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j * PANEL)));
+                __m256i qlo = _mm256_and_si256(qb, _mm256_set1_epi32(15));
+                __m256i qhi = _mm256_srli_epi32(qb, 4);
+                __m256 wlo = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(qlo), m); /* d*q exact */
+                __m256 whi = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(qhi), m);
+                for (int i = 0; i < mb; i++) {
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(xg[i * k + j]), wlo, acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(xg[i * k + j + 16]), whi, acc[i]);
+                }
+            }
+        }
+        float *yh = y + n0 + 8 * h;
+        if (left >= 8) {
+            for (int i = 0; i < mb; i++) _mm256_storeu_ps(yh + i * n, acc[i]);
+        } else {
+            float tmp[8];
+            for (int i = 0; i < mb; i++) {
+                _mm256_storeu_ps(tmp, acc[i]);
+                memcpy(yh + i * n, tmp, sizeof(float) * (size_t)left);
+            }
+        }
+    }
+}
+
+#endif
+
 #define PANEL_MB(T, MB)                                                                  \
     case MB: panel(T, xm, k, pw, MB, ym, n, n0); break;
+
+#define PANEL_CASES_8(T)                                                                 \
+    PANEL_MB(T, 8) PANEL_MB(T, 7) PANEL_MB(T, 6) PANEL_MB(T, 5)                          \
+    PANEL_MB(T, 4) PANEL_MB(T, 3) PANEL_MB(T, 2) PANEL_MB(T, 1)
+#if KV_AVX512
+#define PANEL_CASES(T)                                                                   \
+    PANEL_MB(T, 16) PANEL_MB(T, 15) PANEL_MB(T, 14) PANEL_MB(T, 13)                      \
+    PANEL_MB(T, 12) PANEL_MB(T, 11) PANEL_MB(T, 10) PANEL_MB(T, 9) PANEL_CASES_8(T)
+#else
+#define PANEL_CASES(T) PANEL_CASES_8(T)
+#endif
 
 #define MATMUL_TYPE(T)                                                                   \
     static void matmul_##T(const float *x, int64_t m, int64_t k, const uint8_t *w,       \
@@ -147,10 +234,7 @@ static inline __attribute__((always_inline)) void panel(int type, const float *x
                 const float *xm = x + m0 * k;                                            \
                 float *ym = y + m0 * n;                                                  \
                 switch (m - m0 < MAX_ROWS ? (int)(m - m0) : MAX_ROWS) {                  \
-                    PANEL_MB(T, 16) PANEL_MB(T, 15) PANEL_MB(T, 14) PANEL_MB(T, 13)      \
-                    PANEL_MB(T, 12) PANEL_MB(T, 11) PANEL_MB(T, 10) PANEL_MB(T, 9)       \
-                    PANEL_MB(T, 8) PANEL_MB(T, 7) PANEL_MB(T, 6) PANEL_MB(T, 5)          \
-                    PANEL_MB(T, 4) PANEL_MB(T, 3) PANEL_MB(T, 2) PANEL_MB(T, 1)          \
+                    PANEL_CASES(T)                                                       \
                 }                                                                        \
             }                                                                            \
         }                                                                                \
