@@ -26,6 +26,7 @@ from cluster import conversation_turns
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
 
+REPLACE_LIMIT_S = 180.0
 SYSTEM = (
     "You are kvmesh's assistant. You answer questions about serving large language models "
     "on clusters: caching, scheduling, batching and transfer of KV blocks. " * 8
@@ -77,7 +78,8 @@ def killer(handle: Any, every_s: float, workers: int, stop: threading.Event, log
         killed = time.monotonic()
         entry: dict[str, Any] = {"victim": victim, "replace_s": None}
         log.append(entry)
-        while not stop.is_set():
+        # Until replaced, even after the workload ended (bounded): replace_s is the figure.
+        while time.monotonic() - killed < REPLACE_LIMIT_S:
             live = handle.stats.remote().result()["workers"]
             if victim not in live and len(live) == workers and worker_replicas() == workers:
                 entry["replace_s"] = round(time.monotonic() - killed, 2)
@@ -89,8 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workers", type=int, default=3)
-    ap.add_argument("--conversations", type=int, default=6)
-    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="160MiB")
     ap.add_argument("--kill-every", type=float, default=20.0)
@@ -118,7 +120,7 @@ def main() -> None:
     thread.start()
     faulty, wall = asyncio.run(workload(handle, convs, args.max_tokens))
     stop.set()
-    thread.join(timeout=60)
+    thread.join(timeout=REPLACE_LIMIT_S)
     serve.delete(APP_NAME)
     ray.shutdown()
 

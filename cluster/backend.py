@@ -16,6 +16,11 @@ from kvmesh.workers.outputs import RequestOutput
 from kvmesh.workers.sampling_params import SamplingParams
 
 
+class Unavailable(RuntimeError):
+    """The serving layer cannot finish this request now (e.g. its worker was lost more often
+    than ``max_migrations`` allows): HTTP 503 with this message, which names the cause."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """One request, already validated field by field; exactly one of prompt / messages."""
@@ -24,6 +29,9 @@ class GenerateRequest:
     params: SamplingParams
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    # The prompt's token ids when the caller already tokenized it (the HTTP layer does, to
+    # check the length): a backend uses them instead of tokenizing again.
+    prompt_ids: list[int] | None = None
 
 
 @dataclass

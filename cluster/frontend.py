@@ -27,7 +27,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
+from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
 
 
-class WorkerLostError(RuntimeError):
+class WorkerLostError(Unavailable):
     """A request's worker was lost more often than ``max_migrations`` allows."""
 
 
@@ -88,6 +88,8 @@ class ClusterBackend:
         return token_texts(self.tokenizer, ids)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_ids is not None:  # tokenized once, by the HTTP layer
+            return list(request.prompt_ids)
         if request.messages is not None:
             return self.tokenize_chat(request.messages)
         assert request.prompt is not None
@@ -213,12 +215,17 @@ class ClusterBackend:
         knows (a worker gone is gone from here too); empty parts while the index is down."""
         if self.index is None:
             return {}
-        try:
-            workers = await asyncio.wait_for(self.index.workers.remote(), STATS_TIMEOUT_S)
-            index = await asyncio.wait_for(self.index.stats.remote(), STATS_TIMEOUT_S)
-        except Exception as e:
-            logger.warning("index unavailable for stats: %s", type(e).__name__)
-            return {}
+        for attempt in range(2):
+            try:
+                workers = await asyncio.wait_for(self.index.workers.remote(), STATS_TIMEOUT_S)
+                index = await asyncio.wait_for(self.index.stats.remote(), STATS_TIMEOUT_S)
+                break
+            except Exception as e:
+                logger.warning("index unavailable for stats: %s", type(e).__name__)
+                if attempt:
+                    return {}
+                # A killed index is recreated by name (the workers rejoin it): look it up.
+                self.index = get_index_actor(self.info["fingerprint"])
         handles = {w: m["handle"] for w, m in workers.items() if m.get("handle") is not None}
         loads = await asyncio.gather(
             *(_within(h.load.remote()) for h in handles.values()), return_exceptions=True

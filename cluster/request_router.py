@@ -109,12 +109,23 @@ class KvAwareRequestRouter(RequestRouter):
         return plan
 
     def _views(self, replicas: dict[str, RunningReplica], info: dict) -> dict[str, WorkerView]:
-        held, pending, backlog = (info.get(k, {}) for k in ("held", "pending", "backlog"))
+        held, pending, backlog, queued = (
+            info.get(k, {}) for k in ("held", "pending", "backlog", "queued")
+        )
         views = {}
         for w, r in replicas.items():
             p = pending.get(w, {})
+            # Serve's queue length counts what this router sent (and what a probe saw); the
+            # index's pending entries count every router's prompts not yet computed there,
+            # and the replica's own report (at most a second old) every running request.
+            stats = r.routing_stats or {}
+            queue = max(
+                self.replica_queue_len_cache.get(r.replica_id) or 0,
+                queued.get(w, 0),
+                int(stats.get("running", 0)) + int(stats.get("waiting", 0)),
+            )
             views[w] = WorkerView(
-                queue=self.replica_queue_len_cache.get(r.replica_id) or 0,
+                queue=queue,
                 backlog_tokens=backlog.get(w, 0),
                 depth=held.get(w, 0),
                 pending=p.get("depth", 0),

@@ -153,6 +153,8 @@ def test_index_killed_under_load_fails_no_request(app) -> None:
 
     wait_for(registered, 10, "both workers in the new index")
     assert time.monotonic() - killed_at < 10
+    # The ingress finds the new index too: /metrics and stats list the workers again.
+    assert len(app.stats.remote().result()["workers"]) == 2
     # And the cluster still shares KV: the second of two requests for a prompt pulls it
     # (round robin puts them on different workers).
     prompt = list(range(220, 300))
