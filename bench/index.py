@@ -71,11 +71,10 @@ def workload(target_blocks: int, workers: int, rng: random.Random):
     return batches, convs
 
 
-def fresh_index(workers: int) -> KvIndex:
+def fresh_index(workers: int) -> tuple[KvIndex, dict[str, str]]:
+    """A new index with ``workers`` registered, and each one's token."""
     idx = KvIndex(FP)
-    for i in range(workers):
-        idx.register(f"w{i}", FP)
-    return idx
+    return idx, {f"w{i}": idx.register(f"w{i}", FP) for i in range(workers)}
 
 
 def apply_rate(batches: list[bytes], workers: int, runs: int = 5) -> tuple[float, float, KvIndex]:
@@ -85,10 +84,10 @@ def apply_rate(batches: list[bytes], workers: int, runs: int = 5) -> tuple[float
     """
     rates = []
     for _ in range(runs):
-        idx = fresh_index(workers)
+        idx, tokens = fresh_index(workers)
         start = time.perf_counter()
         for data in batches:
-            idx.apply(data)
+            idx.apply(data, tokens)
         rates.append(idx.stats()["events_applied"] / (time.perf_counter() - start))
     assert idx.stats()["batches_applied"] == len(batches)
     return max(rates), statistics.median(rates), idx
@@ -112,7 +111,9 @@ def bench_actor(batches: list[bytes], qs: list[list[bytes]], workers: int) -> di
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         index = get_index_actor(FP, heartbeat_timeout_s=None)
-        ray.get([index.register.remote(f"w{i}", FP) for i in range(workers)])
+        names = [f"w{i}" for i in range(workers)]
+        regs = ray.get([index.register.remote(w, FP) for w in names])
+        tokens = {w: t for w, (_, t) in zip(names, regs, strict=True)}
         # One batch in flight per worker, as publishers send them: a round is each worker's next.
         queues: dict[str, list[bytes]] = {}
         for data in batches:
@@ -120,17 +121,19 @@ def bench_actor(batches: list[bytes], qs: list[list[bytes]], workers: int) -> di
         rounds = [list(r) for r in zip_longest(*queues.values()) if r]
         start = time.perf_counter()
         for r in rounds:
-            statuses = ray.get([index.apply.remote(d) for d in r if d is not None])
+            statuses = ray.get([index.apply.remote(d, tokens) for d in r if d is not None])
             assert set(statuses) == {"applied"}, statuses
         elapsed = time.perf_counter() - start
         events = ray.get(index.stats.remote())["events_applied"]
         # Several batches per round trip, in order (apply_many), into a second fresh index.
         many = get_index_actor(FP + "-many", heartbeat_timeout_s=None)
-        ray.get([many.register.remote(f"w{i}", FP + "-many") for i in range(workers)])
+        regs = ray.get([many.register.remote(w, FP + "-many") for w in names])
+        many_tokens = {w: t for w, (_, t) in zip(names, regs, strict=True)}
         chunk = [d for r in rounds for d in r if d is not None]
         start = time.perf_counter()
         for i in range(0, len(chunk), 64):
-            assert set(ray.get(many.apply_many.remote(chunk[i : i + 64]))) == {"applied"}
+            statuses = ray.get(many.apply_many.remote(chunk[i : i + 64], many_tokens))
+            assert set(statuses) == {"applied"}
         many_rate = ray.get(many.stats.remote())["events_applied"] / (time.perf_counter() - start)
         rtt = []
         for q in qs[:2000]:

@@ -49,8 +49,8 @@ class Worker:
     def add_peer(self, info: bytes, handle: Any) -> str:
         return self.transport.add_peer(info, handle)
 
-    def export_blocks(self, block_ids: list[int]) -> Any:
-        return self.transport.export_blocks(block_ids)
+    def export_blocks(self, lease_id: Any, block_ids: list[int]) -> Any:
+        return self.transport.export_blocks(block_ids)  # a stand-in holder: no leases here
 
     def checksum(self) -> float:
         return float(self.transport.kv_cache.data.double().sum())

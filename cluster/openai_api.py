@@ -40,7 +40,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh import __version__
-from kvmesh.cluster.backend import Backend, Chunk, GenerateRequest
+from kvmesh.cluster.backend import Backend, Chunk, GenerateRequest, Unavailable
 from kvmesh.cluster.metrics import CONTENT_TYPE, ServeMetrics
 from kvmesh.cluster.protocol import (
     REQUEST_MODELS,
@@ -72,9 +72,10 @@ def build_api(
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` as the one model ``model_name``.
 
-    With ``api_key``, /v1/* needs ``Authorization: Bearer <api_key>``; /health, /metrics,
-    /docs and /openapi.json stay open (probes and scrapers carry no key). A request body
-    over ``max_request_bytes`` gets a 413.
+    With ``api_key``, /v1/* and /metrics need ``Authorization: Bearer <api_key>`` (metrics
+    name workers and show load: a scraper sends the key as a bearer token); /health, /docs
+    and /openapi.json stay open (probes carry no key). A request body over
+    ``max_request_bytes`` gets a 413.
     """
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int):
         raise ValueError(f"max_request_bytes: must be an integer, got {max_request_bytes!r}")
@@ -99,7 +100,7 @@ def build_api(
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     gen = _Generation(backend, metrics)
     started = int(time.time())
-    statuses = (400, 401, 404, 413, 500) if api_key else (400, 404, 413, 500)
+    statuses = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
     errors = _error_responses(*statuses)
 
     @v1.post(
@@ -117,7 +118,8 @@ def build_api(
         messages = body.message_dicts()
         ids = await _in_thread(_chat_ids, backend, messages)
         params = body.sampling_params(len(ids), backend.max_model_len)
-        req = GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", params, messages=messages)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        req = GenerateRequest(rid, params, messages=messages, prompt_ids=ids)
         shape = ResponseShape("chat", req.request_id, model_name, body.num_logprobs())
         return await gen.run(request, req, shape, body.stream, body.include_usage)
 
@@ -136,7 +138,7 @@ def build_api(
         prompt = body.single_prompt()
         ids = await _in_thread(valid, lambda: backend.tokenize(prompt))
         params = body.sampling_params(len(ids), backend.max_model_len)
-        req = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", params, prompt=prompt)
+        req = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", params, prompt=prompt, prompt_ids=ids)
         shape = ResponseShape("text", req.request_id, model_name, body.num_logprobs())
         return await gen.run(request, req, shape, body.stream, body.include_usage)
 
@@ -163,7 +165,9 @@ def build_api(
     @app.get(
         "/metrics",
         response_class=Response,
-        responses={200: {"description": "Prometheus text format.", "content": {"text/plain": {}}}},
+        dependencies=[Depends(check_key)],
+        responses={200: {"description": "Prometheus text format.", "content": {"text/plain": {}}}}
+        | _error_responses(*(401,) if api_key else ()),
     )
     async def prometheus() -> Response:
         try:
@@ -274,16 +278,21 @@ def _chat_ids(backend: Backend, messages: list[dict[str, str]]) -> list[int]:
         raise ApiError(400, f"messages: {e}", param="messages") from None
 
 
-def _client_error(e: BaseException) -> ValueError | None:
-    """The ValueError behind ``e``, if any: ``e`` itself, or the cause that a Ray task error
-    wraps (``RayTaskError.cause``; its own message holds the remote traceback, pid and actor
-    id, so the cause's message is the one to show)."""
+def _root_cause(e: BaseException) -> BaseException:
+    """``e`` itself, or the cause that a Ray task error wraps (``RayTaskError.cause``; its own
+    message holds the remote traceback, pid and actor id, so the cause's is the one to show)."""
     for _ in range(8):  # RayTaskError(RayTaskError(ValueError)): a task that called a task
         cause = getattr(e, "cause", None)
         if not isinstance(cause, BaseException) or cause is e:
             break
         e = cause
-    return e if isinstance(e, ValueError) else None
+    return e
+
+
+def _client_error(e: BaseException) -> ValueError | None:
+    """The ValueError behind ``e``, if any (see ``_root_cause``)."""
+    root = _root_cause(e)
+    return root if isinstance(root, ValueError) else None
 
 
 def _as_api_error(e: Exception, where: str) -> ApiError:
@@ -294,6 +303,9 @@ def _as_api_error(e: Exception, where: str) -> ApiError:
     bad = _client_error(e)
     if bad is not None:
         return ApiError.bad_input(bad)
+    root = _root_cause(e)
+    if isinstance(root, Unavailable):
+        return ApiError(503, str(root), "server_error", code="unavailable")
     ref = uuid.uuid4().hex[:12]
     logger.error("%s failed (ref %s)", where, ref, exc_info=e)
     return ApiError(500, f"internal server error (ref {ref})", "server_error")
@@ -430,6 +442,8 @@ _ERRORS = {
     404: "Unknown model.",
     413: "Request body over max_request_bytes.",
     500: "Internal error; the detail is in the server's log.",
+    503: "The request could not be finished now (its worker was lost too often); the "
+    "message names the cause.",
 }
 
 
@@ -462,7 +476,7 @@ def _add_openapi(app: FastAPI, secured: bool) -> None:
             if secured:
                 components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, ops in schema.get("paths", {}).items():
-                    if path.startswith("/v1/"):
+                    if path.startswith("/v1/") or path == "/metrics":
                         for op in ops.values():
                             op["security"] = [{"bearer": []}]
             app.openapi_schema = schema

@@ -16,11 +16,16 @@ and marks it "must rejoin"; the publisher thread then registers again and sends 
 snapshot, as it does when a heartbeat shows another incarnation or an unknown worker. Until
 then lookups answer 0 and flushes return at once. No index failure escapes a connector method:
 raised out of a worker actor's call, a RayActorError would read as the *worker* having died.
+
+``register`` hands back a secret token with the incarnation; the connector keeps it and sends
+it with every call about itself (batches, snapshots, heartbeats, deregistration, its next
+register), so no other caller can speak for this worker. A rejoin gets a new one.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +41,7 @@ from kvmesh.connector.transport import BlockTransport, TransferError, make_trans
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.engine import ConnectorContext
 from kvmesh.workers.kv_connector import KvCacheConnector
+from kvmesh.workers.worker import MAX_LEASE_S, MAX_PINNED_FRACTION
 
 logger = logging.getLogger(__name__)
 # The first worker of a model starts the index actor: a new process, seconds on a busy host.
@@ -58,11 +64,31 @@ class ClusterConnectorConfig:
     """Built by the cluster layer and shipped to each worker actor (it is picklable)."""
 
     transport: str | None = None  # "nixl", "ray", or None: NIXL when importable
-    lease_s: float = 10.0  # how long a holder keeps blocks pinned for one pull
+    # How long a holder keeps blocks pinned for one pull: at least timeout_s (the read it
+    # protects may take that long), at most the holders' MAX_LEASE_S (they refuse longer).
+    lease_s: float = 10.0
     timeout_s: float = 5.0  # index round trips, pins and transfers
     publish_interval_s: float = 0.02
     heartbeat_interval_s: float = 1.0
     min_pull_blocks: int = 1  # pull only when a peer has at least this many more blocks
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name}: must be a number, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: must be finite and > 0, got {value!r}")
+        if self.lease_s > MAX_LEASE_S:
+            raise ValueError(
+                f"lease_s: {self.lease_s} is over the {MAX_LEASE_S} s holders grant; "
+                "every pin would be refused"
+            )
+        if self.lease_s < self.timeout_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) is shorter than timeout_s ({self.timeout_s}): a lease "
+                "could expire during the read it protects"
+            )
 
     def __call__(self, ctx: ConnectorContext) -> ClusterKvConnector:
         return ClusterKvConnector(ctx, self)
@@ -80,6 +106,7 @@ class ClusterKvConnector(KvCacheConnector):
         self._resolve_lock = threading.Lock()
         self._resolved_at = float("-inf")
         self._incarnation: str | None = None  # of the index we registered with
+        self._token: str | None = None  # our secret with that index (register returns it)
         self._must_rejoin = False  # the index died or forgot us: register again, snapshot
         self._losses = 0  # index failures that call for a rejoin, ever
         self._next_rejoin = 0.0
@@ -88,6 +115,9 @@ class ClusterKvConnector(KvCacheConnector):
         self._service: Callable[[], None] = lambda: None
         self._planned: tuple[str, int] | None = None  # (holder, blocks) from the last lookup
         self._peers: dict[str, Any] = {}  # worker id -> actor handle, once added to transport
+        # worker id -> the most blocks it lets peers pin (a longer pull would be refused)
+        self._pin_caps: dict[str, int] = {}
+        self._max_pin_blocks = int(ctx.kv_cache.num_blocks * MAX_PINNED_FRACTION)
         self._lock = threading.Lock()  # guards the publisher and the mirror below
         self._flush_lock = threading.Lock()  # one batch in flight
         self._publisher = EventPublisher(self.worker_id)
@@ -117,13 +147,19 @@ class ClusterKvConnector(KvCacheConnector):
         self._thread.start()
 
     def _register(self) -> None:
-        self._incarnation = self._call(
+        self._incarnation, self._token = self._call(
             "register",
             self.worker_id,
             self._fingerprint_id,
-            # Peers find our transport info and actor handle here (pins go to the handle).
-            {"transport": self.transport.local_info(), "handle": self._handle},
+            # Peers find our transport info and actor handle here (pins go to the handle),
+            # and how many blocks we let them pin at most (Worker.max_pinned_blocks).
+            {
+                "transport": self.transport.local_info(),
+                "handle": self._handle,
+                "max_pin_blocks": self._max_pin_blocks,
+            },
             self._handle,
+            self._token,  # the index may still know us: only our token may re-register us
             timeout_s=REGISTER_TIMEOUT_S,
         )
 
@@ -203,6 +239,13 @@ class ClusterKvConnector(KvCacheConnector):
         if not depths:
             return 0
         holder, depth = max(depths.items(), key=lambda kv: (kv[1], kv[0]))
+        try:
+            self._peer(holder)
+        except Exception as e:  # not registered, or refused at handshake: load would fail
+            self._warn("cannot pull from %s (%s); computing", holder, e)
+            return 0
+        # The holder refuses pins over its cap: pull what it grants, compute the rest.
+        depth = min(depth, self._pin_caps.get(holder, depth))
         if depth < self.config.min_pull_blocks:
             return 0
         self._planned = (holder, depth)
@@ -224,7 +267,7 @@ class ClusterKvConnector(KvCacheConnector):
                     raise TransferError(f"{holder} pinned {len(remote_ids)} blocks")
                 started = time.perf_counter()
                 nbytes = self.transport.read_blocks(
-                    holder, remote_ids, list(block_ids), self.config.timeout_s
+                    holder, remote_ids, list(block_ids), self.config.timeout_s, lease_id
                 )
                 self.stats["pull_s"] += time.perf_counter() - started
             finally:
@@ -250,6 +293,9 @@ class ClusterKvConnector(KvCacheConnector):
                 raise TransferError(f"{worker_id} is not registered")
             self.transport.add_peer(meta["transport"], meta["handle"])
             self._peers[worker_id] = meta["handle"]
+            cap = meta.get("max_pin_blocks")
+            if isinstance(cap, int) and not isinstance(cap, bool):
+                self._pin_caps[worker_id] = cap
         return self._peers[worker_id]
 
     def _wait(self, ref: ray.ObjectRef) -> Any:
@@ -306,7 +352,7 @@ class ClusterKvConnector(KvCacheConnector):
 
     def _check_incarnation(self) -> None:
         """Heartbeat; another incarnation (a restarted index) or None (purged): rejoin."""
-        incarnation = self._call("heartbeat", self.worker_id)
+        incarnation = self._call("heartbeat", self.worker_id, self._token)
         if incarnation is None or incarnation != self._incarnation:
             self._note_loss()
 
@@ -334,7 +380,7 @@ class ClusterKvConnector(KvCacheConnector):
                     batch = self._publisher.drain()
                 if batch is None:
                     break
-                result = self._call("apply", batch)
+                result = self._call("apply", batch, self._token)
                 sent += 1
                 self.stats["batches_sent"] += 1
                 if result == "gap":
@@ -370,7 +416,7 @@ class ClusterKvConnector(KvCacheConnector):
             # After a rejoin the snapshot already holds what is buffered: drop the buffer.
             next_seq = self._publisher.reset_for_snapshot() if reset else self._publisher.next_seq
             hashes = list(self._held)
-        self._call("apply_snapshot", self.worker_id, hashes, next_seq)
+        self._call("apply_snapshot", self.worker_id, hashes, next_seq, self._token)
         self.stats["snapshots_sent"] += 1
         return len(hashes)
 
@@ -384,7 +430,7 @@ class ClusterKvConnector(KvCacheConnector):
         if not self._must_rejoin:  # else the index does not know us: nothing to take back
             self.flush()
             try:
-                self._call("deregister", self.worker_id)
+                self._call("deregister", self.worker_id, self._token)
             except Exception as e:
                 logger.warning("%s: deregistering failed: %s", self.worker_id, e)
         self.transport.close()

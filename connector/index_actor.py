@@ -13,6 +13,13 @@ good the next ``get_index_actor`` creates a new one. Each start draws a new ``in
 (uuid4 hex), returned by ``register`` and ``heartbeat``; a worker that sees another one (or
 None: "unknown worker") re-registers and sends a full snapshot.
 
+Tokens: any Ray driver on the cluster can call this actor. ``register`` returns a secret token
+with the incarnation; ``apply`` / ``apply_many`` / ``apply_snapshot`` / ``heartbeat`` /
+``deregister`` (and a re-``register``) of a worker need that worker's token, and are refused
+and counted (``unauthorized`` in ``stats``) otherwise. The token is not in ``workers()``.
+Pending entries and queries stay open: routers, which hold no worker's token, add and drop
+pending entries, and every answer is a hint.
+
 Ordering: a threaded actor may run two calls of one caller out of order, so a worker keeps at
 most one ``apply`` in flight (or sends several through one ``apply_many``); a reordering
 otherwise costs a gap and a snapshot, never wrong state.
@@ -24,7 +31,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -78,14 +85,21 @@ class KvIndexActor:
         return self._incarnation
 
     def register(
-        self, worker_id: str, fingerprint: str, metadata: dict | None = None, handle: Any = None
-    ) -> str:
+        self,
+        worker_id: str,
+        fingerprint: str,
+        metadata: dict | None = None,
+        handle: Any = None,
+        token: str | None = None,
+    ) -> tuple[str, str]:
         """:meth:`KvIndex.register`; ``handle`` (the worker's ActorHandle) is watched for death.
 
-        Returns the incarnation: the worker keeps it and compares it with later heartbeats.
+        Returns (incarnation, token): the worker compares the incarnation with later
+        heartbeats, and passes the token (a secret) with every call about itself. ``token``:
+        its current one, needed to re-register a worker this index knows (PermissionError).
         """
         with self._lock:
-            self._index.register(worker_id, fingerprint, metadata)
+            new_token = self._index.register(worker_id, fingerprint, metadata, token)
             self._last_seen[worker_id] = time.monotonic()
             self._pings.pop(worker_id, None)
             if handle is None:
@@ -93,19 +107,25 @@ class KvIndexActor:
             else:
                 self._handles[worker_id] = handle
             self._changed.notify_all()
-        return self._incarnation
+        return self._incarnation, new_token
 
-    def deregister(self, worker_id: str) -> bool:
-        """Purge the worker; False if it was not registered."""
+    def deregister(self, worker_id: str, token: str | None) -> bool:
+        """Purge the worker; False if it was not registered, PermissionError for a wrong
+        token."""
         with self._lock:
+            if worker_id not in self._last_seen:
+                return False
+            self._index.authorize(worker_id, token)
             return self._forget(worker_id)
 
-    def heartbeat(self, worker_id: str) -> str | None:
+    def heartbeat(self, worker_id: str, token: str | None) -> str | None:
         """Refresh liveness and return the incarnation; None means the worker is unknown
-        (purged, or this index restarted): it must re-register."""
+        (purged, or this index restarted): it must re-register. PermissionError for a wrong
+        token (nothing refreshed)."""
         with self._lock:
             if worker_id not in self._last_seen:
                 return None
+            self._index.authorize(worker_id, token)
             self._last_seen[worker_id] = time.monotonic()
             return self._incarnation
 
@@ -119,17 +139,22 @@ class KvIndexActor:
 
     # -- events ----------------------------------------------------------------------------
 
-    def apply(self, data: bytes) -> str:
-        """:meth:`KvIndex.apply`; returns the status string."""
-        return self.apply_many([data])[0]
+    def apply(self, data: bytes, token: str | Mapping[str, str] | None) -> str:
+        """:meth:`KvIndex.apply`; returns the status string (``rejected`` for a wrong token)."""
+        return self.apply_many([data], token)[0]
 
-    def apply_many(self, batches: Sequence[bytes]) -> list[str]:
-        """Apply batches in the given order under one lock: one round trip for several."""
+    def apply_many(
+        self, batches: Sequence[bytes], token: str | Mapping[str, str] | None
+    ) -> list[str]:
+        """Apply batches in the given order under one lock: one round trip for several.
+
+        ``token``: their worker's token, or worker id -> token for several workers' batches.
+        """
         out = []
         with self._lock:
             now = time.monotonic()
             for data in batches:
-                result = self._index.apply(data)
+                result = self._index.apply(data, token)
                 if result.status == "rejected" and result.reason:
                     logger.debug("rejected batch: %s", result.reason)
                 elif result.worker_id in self._last_seen:
@@ -138,9 +163,12 @@ class KvIndexActor:
             self._changed.notify_all()
         return out
 
-    def apply_snapshot(self, worker_id: str, hashes: list[bytes], next_seq: int) -> None:
+    def apply_snapshot(
+        self, worker_id: str, hashes: list[bytes], next_seq: int, token: str | None
+    ) -> None:
+        """:meth:`KvIndex.apply_snapshot` (KeyError unknown, PermissionError wrong token)."""
         with self._lock:
-            self._index.apply_snapshot(worker_id, hashes, next_seq)
+            self._index.apply_snapshot(worker_id, hashes, next_seq, token)
             self._last_seen[worker_id] = time.monotonic()
             self._changed.notify_all()
 

@@ -12,6 +12,11 @@ block from that worker, the worker's purge, or the entry's time to live drops it
 ingress that dies never leaves one behind for long. :meth:`KvIndex.route_lookup` answers both,
 held blocks and pending ones, so several ingress replicas see each other's in-flight prompts.
 
+Workers are not trusted to be who they say (any Ray driver can call the index): ``register``
+hands out a secret token per worker, and every call that changes that worker's state (its
+batches, snapshots, deregistration, a re-registration) must carry it; a call with a wrong or
+missing token is refused and counted (``unauthorized``).
+
 No torch, no ray. Not thread-safe: the actor (connector/index_actor.py) holds a lock around it.
 """
 
@@ -19,8 +24,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Literal
@@ -49,6 +55,7 @@ _COUNTERS += (
     "pending_stored",
     "pending_expired",
     "pending_raced",
+    "unauthorized",  # calls and batches refused for a wrong or missing worker token
 )
 
 # How long a pending entry lives unless dropped or stored first (an ingress may die holding it).
@@ -77,6 +84,7 @@ class _PendingEntry:
 class _Worker:
     fingerprint: str
     metadata: dict[str, Any]
+    token: str  # the secret its calls must carry; never in ``workers()``
     expected_seq: int = 0
     needs_snapshot: bool = False
 
@@ -117,14 +125,24 @@ class KvIndex:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def register(self, worker_id: str, fingerprint: str, metadata: dict | None = None) -> None:
-        """Admit a worker of this index's fingerprint, expecting its batch ``seq`` 0.
+    def register(
+        self,
+        worker_id: str,
+        fingerprint: str,
+        metadata: dict | None = None,
+        token: str | None = None,
+    ) -> str:
+        """Admit a worker of this index's fingerprint, expecting its batch ``seq`` 0; returns
+        its new secret token, which its later calls must carry.
 
         A known ``worker_id`` is taken to be a new incarnation: its blocks are purged and its
         numbering restarts at 0 (had we kept them, a restarted publisher's batches would all
         look like duplicates; a live worker that merely re-registers gets a gap and a snapshot).
-        Its pending entries stay: the prompts they stand for may still be running.
-        Raises ValueError for another fingerprint, naming both.
+        Its pending entries stay: the prompts they stand for may still be running. Only the
+        holder of its current ``token`` may re-register a known worker (else anyone could take
+        its name over); the token changes.
+        Raises ValueError for another fingerprint, naming both, and PermissionError for a known
+        worker without its token.
         """
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id must be a non-empty str, got {worker_id!r}")
@@ -133,12 +151,38 @@ class KvIndex:
                 f"worker {worker_id!r} has model fingerprint {fingerprint!r}, but this index "
                 f"serves {self.fingerprint!r}: workers of different fingerprints never share KV"
             )
+        if worker_id in self._workers:
+            self.authorize(worker_id, token)
         self._drop_blocks(worker_id)
-        self._workers[worker_id] = _Worker(fingerprint, dict(metadata or {}))
+        new_token = secrets.token_hex(16)
+        self._workers[worker_id] = _Worker(fingerprint, dict(metadata or {}), new_token)
         self._blocks[worker_id] = set()
+        return new_token
 
-    def deregister(self, worker_id: str) -> bool:
-        """Same as :meth:`purge`."""
+    def check_token(self, worker_id: str, token: object) -> bool:
+        """Whether ``token`` is the registered ``worker_id``'s (False for an unknown worker);
+        a False answer is counted as ``unauthorized``."""
+        state = self._workers.get(worker_id)
+        ok = (
+            state is not None
+            and isinstance(token, str)
+            and secrets.compare_digest(token.encode(), state.token.encode())
+        )
+        if not ok:
+            self._counts["unauthorized"] += 1
+        return ok
+
+    def authorize(self, worker_id: str, token: object) -> None:
+        """Raise PermissionError unless :meth:`check_token`."""
+        if not self.check_token(worker_id, token):
+            raise PermissionError(f"wrong or missing token for worker {worker_id!r}")
+
+    def deregister(self, worker_id: str, token: str | None) -> bool:
+        """:meth:`purge`, for the worker itself: False if it was not registered, and
+        PermissionError for a wrong token."""
+        if worker_id not in self._workers:
+            return False
+        self.authorize(worker_id, token)
         return self.purge(worker_id)
 
     def purge(self, worker_id: str) -> bool:
@@ -161,8 +205,12 @@ class KvIndex:
 
     # -- events ----------------------------------------------------------------------------
 
-    def apply(self, data: bytes) -> ApplyResult:
-        """Decode, validate and apply one encoded batch, whole or not at all."""
+    def apply(self, data: bytes, token: str | Mapping[str, str] | None) -> ApplyResult:
+        """Decode, validate and apply one encoded batch, whole or not at all.
+
+        ``token``: the batch's worker's token, or a mapping from worker id to token (a caller
+        batching several workers' batches). A wrong or missing one rejects the batch.
+        """
         try:
             worker_id, seq, records = decode_records(data)
         except MalformedBatch as e:
@@ -172,6 +220,11 @@ class KvIndex:
         if state is None:
             self._counts["batches_rejected"] += 1
             return ApplyResult("rejected", worker_id, seq, f"unknown worker {worker_id!r}")
+        if isinstance(token, Mapping):
+            token = token.get(worker_id)
+        if not self.check_token(worker_id, token):
+            self._counts["batches_rejected"] += 1
+            return ApplyResult("rejected", worker_id, seq, f"wrong token for {worker_id!r}")
         if seq < state.expected_seq:
             self._counts["duplicates"] += 1
             return ApplyResult("duplicate", worker_id, seq)
@@ -185,13 +238,16 @@ class KvIndex:
         self._counts["batches_applied"] += 1
         return ApplyResult("applied", worker_id, seq)
 
-    def apply_snapshot(self, worker_id: str, hashes: Iterable[bytes], next_seq: int) -> None:
+    def apply_snapshot(
+        self, worker_id: str, hashes: Iterable[bytes], next_seq: int, token: str | None
+    ) -> None:
         """Replace a worker's blocks wholesale, clear its gap, expect ``next_seq`` next.
 
-        Raises KeyError for an unknown worker and ValueError for a bad hash or ``next_seq``;
-        on error nothing changes.
+        Raises KeyError for an unknown worker, PermissionError for a wrong token and
+        ValueError for a bad hash or ``next_seq``; on error nothing changes.
         """
         state = self._workers[worker_id]
+        self.authorize(worker_id, token)
         new = set(hashes)
         bad = [h for h in new if type(h) is not bytes or len(h) != HASH_LEN]
         if bad:
@@ -400,11 +456,13 @@ class KvIndex:
         pending entry sharing leading blocks with ``hashes``, ``depth`` is the most leading
         blocks one of its entries covers and ``wait_tokens`` its pending tokens of the entries
         added up to and including the first such entry (a worker computes its prompts in
-        order); ``backlog`` is each worker's pending tokens over all its entries.
+        order); ``backlog`` is each worker's pending tokens over all its entries and ``queued``
+        how many entries it has (every router's prompts routed there and not yet computed).
         """
         self.expire_pending()
         pending: dict[str, dict[str, int]] = {}
         backlog: dict[str, int] = {}
+        queued: dict[str, int] = {}
         first = hashes[0] if hashes else None
         for worker_id, entries in self._pending.items():
             total = depth = wait = 0
@@ -415,12 +473,14 @@ class KvIndex:
                     if d > depth:
                         depth, wait = d, total
             backlog[worker_id] = total
+            queued[worker_id] = len(entries)
             if depth:
                 pending[worker_id] = {"depth": depth, "wait_tokens": wait}
         return {
             "held": self.lookup(hashes),
             "pending": pending,
             "backlog": backlog,
+            "queued": queued,
             "last_pending_id": self._last_pending_id,
         }
 

@@ -174,6 +174,7 @@ class NixlTransport(BlockTransport):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         timeout_s: float,
+        lease_id: str | None = None,
     ) -> int:
         deadline = time.monotonic() + timeout_s
         peer = self._peer(peer_id)

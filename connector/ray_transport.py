@@ -1,6 +1,7 @@
 """Block transport through the Ray object store: the fallback when NIXL is absent.
 
-The puller calls `export_blocks` on the holder's worker actor, which gathers the blocks into
+The puller calls `export_blocks(lease_id, block_ids)` on the holder's worker actor, which
+checks that the blocks are under that live lease (the puller's, from `pin`) and gathers them into
 one uint8 array (one copy) that Ray puts in the object store; on the puller's node `ray.get`
 maps it without a copy, and one indexed assignment scatters it into the local blocks. Slower
 than NIXL (the holder does the gather, Ray adds a put), but it needs nothing beyond Ray.
@@ -21,7 +22,7 @@ from kvmesh.workers.kv_cache import KVCache
 
 
 class RayTransport(BlockTransport):
-    """Pulls via `handle.export_blocks.remote(ids)` on the peer's worker actor.
+    """Pulls via `handle.export_blocks.remote(lease_id, ids)` on the peer's worker actor.
 
     `add_peer` needs that actor handle; it raises ValueError without one.
     """
@@ -46,12 +47,13 @@ class RayTransport(BlockTransport):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         timeout_s: float,
+        lease_id: str | None = None,
     ) -> int:
         peer = self._peer(peer_id)
         self._check_ids(peer, remote_block_ids, local_block_ids)
         if not local_block_ids:
             return 0
-        ref = self._handles[peer_id].export_blocks.remote(list(remote_block_ids))
+        ref = self._handles[peer_id].export_blocks.remote(lease_id, list(remote_block_ids))
         try:
             raw = ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as e:

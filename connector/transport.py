@@ -82,7 +82,9 @@ class BlockTransport(ABC):
 
     One instance per worker, used from one thread (the worker actor's). Reads are one-sided:
     the holder does nothing per pull (NIXL) or only serves `export_blocks` (Ray); keeping the
-    holder's blocks alive for the duration (pinning under a lease) is the caller's business.
+    holder's blocks alive for the duration (pinning under a lease) is the caller's business,
+    and the caller passes that lease's id to `read_blocks` (the Ray transport's holder serves
+    only blocks under a live lease the caller names).
     """
 
     name: ClassVar[str]
@@ -157,9 +159,12 @@ class BlockTransport(ABC):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         timeout_s: float,
+        lease_id: str | None = None,
     ) -> int:
         """Copy the peer's blocks `remote_block_ids[i]` into local `local_block_ids[i]`, all in
-        one transfer, within `timeout_s`; returns the bytes moved.
+        one transfer, within `timeout_s`; returns the bytes moved. `lease_id`: the holder's
+        lease on those blocks (`Worker.pin`); the Ray transport's holder refuses reads without
+        it, NIXL ignores it.
 
         Raises TransferError on any failure: unknown peer, lists of different lengths, a block
         id out of range on either side, a repeated local id, the peer gone, an error state, the
@@ -179,7 +184,8 @@ class BlockTransport(ABC):
             self.remove_peer(peer_id)
 
     def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
-        """Holder side: `KVCache.export_blocks` (what the Ray transport's peer reads)."""
+        """Holder side: `KVCache.export_blocks`, unchecked (a worker actor's `export_blocks`
+        checks the caller's lease first: never expose this one to peers as is)."""
         return self.kv_cache.export_blocks(block_ids)
 
     def _peer(self, peer_id: str) -> PeerInfo:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from kvmesh.cluster.frontend import WorkerLostError
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import DEFAULT_MAX_REQUEST_BYTES, build_api
 from kvmesh.cluster.protocol import (
@@ -415,8 +416,9 @@ def test_errors_in_a_started_stream_carry_no_internals(
     fail, status, message, param = WRAPPED[case]
     caplog.set_level(logging.ERROR)
     spy = Spy(backend, fail=fail, fail_after=1)
+    body = {**chat(max_tokens=8, stream=True)[1], "ignore_eos": True}  # never done early
     with serve(build_api(spy, model_name=MODEL)) as port:
-        got_status, events = sse_events(port, CHAT, chat(max_tokens=8, stream=True)[1])
+        got_status, events = sse_events(port, CHAT, body)
     assert got_status == 200
     *chunks, last = events
     for chunk in chunks:
@@ -530,3 +532,24 @@ def test_responses_and_stream_chunks_match_the_models(server: tuple[int, Spy], c
         chunk.model_validate(event)
     assert events[-1]["usage"]["completion_tokens"] == 6 and events[-1]["kvmesh"]
     ModelList.model_validate(call(server[0], "GET", "/v1/models")[1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_worker_was_lost_too_often_is_a_503_naming_the_cause(
+    backend: LocalBackend, stream: bool
+) -> None:
+    def lost() -> WorkerLostError:
+        return WorkerLostError("request r1: its worker was lost 4 times (max_migrations 3)")
+
+    with serve(build_api(Spy(backend, fail=lost), model_name=MODEL)) as port:
+        status, got = call(port, "POST", *chat(max_tokens=2, stream=stream))
+    assert status == 503, got
+    ErrorResponse.model_validate(got)
+    assert got["error"]["type"] == "server_error"
+    assert "lost 4 times (max_migrations 3)" in got["error"]["message"]
+    spy = Spy(backend, fail=lost, fail_after=1)  # lost mid-stream, past max_migrations
+    with serve(build_api(spy, model_name=MODEL)) as port:
+        body = {**chat(max_tokens=8, stream=True)[1], "ignore_eos": True}  # never done early
+        status, events = sse_events(port, CHAT, body)
+    assert status == 200
+    assert "max_migrations 3" in events[-1]["error"]["message"], events

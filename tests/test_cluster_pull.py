@@ -46,7 +46,7 @@ def assert_same(out, ref) -> None:
 def block_bytes(worker, hashes: list[bytes]) -> bytes:
     lease_id, ids = ray.get(worker.pin.remote(hashes, 10.0))
     try:
-        return ray.get(worker.export_blocks.remote(ids)).tobytes()
+        return ray.get(worker.export_blocks.remote(lease_id, ids)).tobytes()
     finally:
         ray.get(worker.release.remote(lease_id))
 

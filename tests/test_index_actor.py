@@ -58,32 +58,32 @@ def test_named_actor_is_one_per_fingerprint(fingerprint: str) -> None:
 
 def test_events_and_lookups_through_the_actor(fingerprint: str) -> None:
     index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
-    for w in ("a", "b"):
-        ray.get(index.register.remote(w, fingerprint, {"node": w}))
+    tokens = {w: ray.get(index.register.remote(w, fingerprint, {"node": w}))[1] for w in "ab"}
     pa, pb = EventPublisher("a"), EventPublisher("b")
     pa.on_store(BASE[:6], None)
     pb.on_store(FORK4[:8], None)
-    assert ray.get(index.apply.remote(pa.drain())) == "applied"
-    assert ray.get(index.apply.remote(pb.drain())) == "applied"
+    assert ray.get(index.apply.remote(pa.drain(), tokens["a"])) == "applied"
+    assert ray.get(index.apply.remote(pb.drain(), tokens["b"])) == "applied"
     assert ray.get(index.lookup.remote(BASE)) == {"a": 6, "b": 4}
     assert ray.get(index.lookup.remote(BASE, "a")) == {"b": 4}
     pa.on_remove(BASE[3:6])
     first = pa.drain()
     pa.on_store(BASE[3:4], BASE[2])
-    statuses = ray.get(index.apply_many.remote([first, pa.drain(), first, b"junk"]))
+    statuses = ray.get(index.apply_many.remote([first, pa.drain(), first, b"junk"], tokens))
     assert statuses == ["applied", "applied", "duplicate", "rejected"]
     pa.on_clear()
     pa.drain()  # lost on the way
     pa.on_store(BASE[:1], None)
-    assert ray.get(index.apply.remote(pa.drain())) == "gap"
+    assert ray.get(index.apply.remote(pa.drain(), tokens["a"])) == "gap"
     assert ray.get(index.needs_snapshot.remote("a"))
-    ray.get(index.apply_snapshot.remote("a", BASE[:2], pa.reset_for_snapshot()))
+    ray.get(index.apply_snapshot.remote("a", BASE[:2], pa.reset_for_snapshot(), tokens["a"]))
     assert ray.get(index.lookup.remote(BASE)) == {"a": 2, "b": 4}
     assert ray.get(index.snapshot.remote())["a"] == sorted(BASE[:2])
     stats = ray.get(index.stats.remote())
     assert (stats["batches_applied"], stats["duplicates"], stats["gaps"]) == (4, 1, 1)
     assert stats["batches_rejected"] == 1 and stats["workers"] == 2
-    assert ray.get(index.deregister.remote("b")) and ray.get(index.lookup.remote(BASE)) == {"a": 2}
+    assert ray.get(index.deregister.remote("b", tokens["b"]))
+    assert ray.get(index.lookup.remote(BASE)) == {"a": 2}
     ray.kill(index)
 
 
@@ -92,10 +92,10 @@ def test_killed_worker_actor_is_purged(fingerprint: str) -> None:
     alive, doomed = DummyWorker.remote(), DummyWorker.remote()
     ray.get([alive.ping.remote(), doomed.ping.remote()])
     ray.get(index.register.remote("alive", fingerprint, None, alive))
-    ray.get(index.register.remote("doomed", fingerprint, None, doomed))
+    _, token = ray.get(index.register.remote("doomed", fingerprint, None, doomed))
     pub = EventPublisher("doomed")
     pub.on_store(BASE[:4], None)
-    ray.get(index.apply.remote(pub.drain()))
+    assert ray.get(index.apply.remote(pub.drain(), token)) == "applied"
     time.sleep(0.5)  # a few liveness rounds with both alive: nobody is purged
     assert set(ray.get(index.workers.remote())) == {"alive", "doomed"}
     ray.kill(doomed)
@@ -109,14 +109,14 @@ def test_killed_worker_actor_is_purged(fingerprint: str) -> None:
 
 def test_worker_that_stops_heartbeating_is_purged(fingerprint: str) -> None:
     index = get_index_actor(fingerprint, heartbeat_timeout_s=1.0, check_interval_s=0.1)
-    ray.get(index.register.remote("steady", fingerprint))
-    ray.get(index.register.remote("silent", fingerprint))
+    _, token = ray.get(index.register.remote("steady", fingerprint))
+    _, silent = ray.get(index.register.remote("silent", fingerprint))
     start = time.monotonic()
     while time.monotonic() - start < 2.0:  # `steady` beats, `silent` does not
-        assert ray.get(index.heartbeat.remote("steady"))
+        assert ray.get(index.heartbeat.remote("steady", token))
         time.sleep(0.1)
     assert set(ray.get(index.workers.remote())) == {"steady"}
-    assert not ray.get(index.heartbeat.remote("silent"))  # told to re-register
+    assert not ray.get(index.heartbeat.remote("silent", silent))  # told to re-register
     assert ray.get(index.stats.remote())["purged_stale"] == 1
     ray.kill(index)
 
@@ -137,9 +137,10 @@ def test_incarnation_and_restart_empty(fingerprint: str) -> None:
     index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
     first = ray.get(index.incarnation.remote())
     assert isinstance(first, str) and len(first) == 32
-    assert ray.get(index.register.remote("w", fingerprint)) == first
-    assert ray.get(index.heartbeat.remote("w")) == first
-    assert ray.get(index.heartbeat.remote("ghost")) is None
+    incarnation, token = ray.get(index.register.remote("w", fingerprint))
+    assert incarnation == first
+    assert ray.get(index.heartbeat.remote("w", token)) == first
+    assert ray.get(index.heartbeat.remote("ghost", None)) is None
     pid = ray.get(index.add_pending.remote("w", BASE[:4], 16))
     got = ray.get(index.route_lookup.remote(BASE))
     assert got == {
@@ -147,6 +148,7 @@ def test_incarnation_and_restart_empty(fingerprint: str) -> None:
         "held": {},
         "pending": {"w": {"depth": 4, "wait_tokens": 16}},
         "backlog": {"w": 16},
+        "queued": {"w": 1},
         "last_pending_id": pid,
     }
     assert ray.get(index.drop_pending.remote(pid)) and not ray.get(index.drop_pending.remote(pid))
@@ -154,7 +156,7 @@ def test_incarnation_and_restart_empty(fingerprint: str) -> None:
     # ray.kill returns at once: the old process may still answer a call or two.
     wait_for(lambda: ray_get_retrying(lambda: index.incarnation.remote()) != first)
     second = ray.get(index.incarnation.remote())
-    assert ray.get(index.heartbeat.remote("w")) is None  # the worker must re-register
+    assert ray.get(index.heartbeat.remote("w", token)) is None  # the worker must re-register
     assert ray.get(index.workers.remote()) == {}
     assert get_index_actor(fingerprint)._actor_id == index._actor_id
     ray.kill(index)  # for good: the name is free, the next get_index_actor makes a new one
@@ -166,17 +168,17 @@ def test_incarnation_and_restart_empty(fingerprint: str) -> None:
 
 def test_wait_stored_returns_on_store_drop_expiry_and_timeout(fingerprint: str) -> None:
     index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
-    ray.get(index.register.remote("w", fingerprint))
+    _, token = ray.get(index.register.remote("w", fingerprint))
     pub = EventPublisher("w")
     pending = ray.get(index.add_pending.remote("w", BASE[:6], 24))
     waiters = [index.wait_stored.remote("w", BASE[:6], 30.0) for _ in range(20)]
     assert ray.wait(waiters, timeout=0.3)[0] == []
     pub.on_store(BASE[:3], None)  # half of it: still waiting
-    assert ray.get(index.apply.remote(pub.drain())) == "applied"
+    assert ray.get(index.apply.remote(pub.drain(), token)) == "applied"
     assert ray.wait(waiters, timeout=0.3)[0] == []
     pub.on_store(BASE[3:6], BASE[2])
     start = time.monotonic()
-    assert ray.get(index.apply.remote(pub.drain())) == "applied"
+    assert ray.get(index.apply.remote(pub.drain(), token)) == "applied"
     assert ray.get(waiters, timeout=5) == [6] * 20  # all twenty woken by the one store
     assert time.monotonic() - start < 2.0
     assert not ray.get(index.drop_pending.remote(pending))  # the Stored dropped it
@@ -203,4 +205,33 @@ def test_wait_stored_returns_on_store_drop_expiry_and_timeout(fingerprint: str) 
     assert ray.get(index.wait_stored.remote("w", BASE[:2], 30.0)) == 2
     assert ray.get(index.wait_stored.remote("ghost", BASE, 30.0)) == 0
     assert time.monotonic() - start < 2.0
+    ray.kill(index)
+
+
+def test_calls_for_a_worker_need_its_token(fingerprint: str) -> None:
+    """A second driver cannot feed, snapshot, heartbeat, deregister or take over a worker."""
+    index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
+    incarnation, token = ray.get(index.register.remote("w", fingerprint, {"node": "n1"}))
+    assert len(token) >= 32 and token != incarnation
+    assert token not in repr(ray.get(index.workers.remote()))
+    forged = EventPublisher("w")
+    forged.on_store(BASE[:6], None)
+    data = forged.drain()
+    assert ray.get(index.apply.remote(data, None)) == "rejected"
+    assert ray.get(index.apply_many.remote([data], "0" * 32)) == ["rejected"]
+    assert ray.get(index.lookup.remote(BASE)) == {}
+    for call in (
+        lambda: index.apply_snapshot.remote("w", BASE, 9, "forged"),
+        lambda: index.heartbeat.remote("w", None),
+        lambda: index.deregister.remote("w", "forged"),
+        lambda: index.register.remote("w", fingerprint, {"node": "evil"}),
+    ):
+        with pytest.raises(ray.exceptions.RayTaskError) as e:
+            ray.get(call())
+        assert isinstance(e.value.as_instanceof_cause(), PermissionError)
+    assert ray.get(index.workers.remote()) == {"w": {"node": "n1"}}
+    assert ray.get(index.stats.remote())["unauthorized"] == 6
+    assert ray.get(index.apply.remote(data, token)) == "applied"  # the worker itself
+    assert ray.get(index.lookup.remote(BASE)) == {"w": 6}
+    assert ray.get(index.deregister.remote("w", token))
     ray.kill(index)

@@ -124,7 +124,9 @@ def test_restarted_index_gets_a_new_incarnation_and_workers_rejoin() -> None:
         seconds_until(lambda: ray.get(index.incarnation.remote(), timeout=5) != first, 30)
         took = seconds_until(lambda: holds_all(index, blocks), REJOIN_S)
         assert get_index_actor(fp)._actor_id == index._actor_id  # restarted, not replaced
-        assert ray.get(index.heartbeat.remote(a_id)) == ray.get(index.incarnation.remote())
+        # Rejoined under a new token: the index takes a's batches (and no one else's).
+        assert a_id in ray.get(index.workers.remote())
+        assert ray.get(index.stats.remote())["unauthorized"] == 0
         hashes = block_hashes(ids, BS, info(a)["namespace"])[: (len(ids) - 1) // BS]
         assert ray.get(index.lookup.remote(hashes, b_id)) == {a_id: len(hashes)}, took
         seconds_until(lambda: ray.get(b.peer_blocks.remote(hashes)) > 0, REJOIN_S)

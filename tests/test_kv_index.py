@@ -44,9 +44,29 @@ def batch(w: str, seq: int, *events) -> bytes:
     return encode_batch(EventBatch(w, seq, tuple(events)))
 
 
+class Index(KvIndex):
+    """A KvIndex whose calls carry each worker's own token, as its connector's do (these tests
+    are about events; tokens are tested in test_peer_hardening.py)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.tokens: dict[str, str] = {}
+
+    def register(self, worker_id, fingerprint, metadata=None, token=None) -> str:
+        token = super().register(worker_id, fingerprint, metadata, self.tokens.get(worker_id))
+        self.tokens[worker_id] = token
+        return token
+
+    def apply(self, data, token=None):
+        return super().apply(data, self.tokens)
+
+    def apply_snapshot(self, worker_id, hashes, next_seq, token=None) -> None:
+        super().apply_snapshot(worker_id, hashes, next_seq, self.tokens.get(worker_id))
+
+
 def index_with(**held: list[bytes]) -> KvIndex:
     """An index where each keyword worker holds the given hashes (one Stored each)."""
-    idx = KvIndex(FP)
+    idx = Index(FP)
     for w, hashes in held.items():
         idx.register(w, FP)
         assert idx.apply(batch(w, 0, Stored(tuple(hashes)))).status == "applied"
@@ -286,6 +306,7 @@ def test_pending_lookup_depth_wait_tokens_and_backlog() -> None:
         "held": {},
         "pending": {},
         "backlog": got["backlog"],
+        "queued": {"a": 2, "b": 1, "c": 1},
         "last_pending_id": p4,
     }
     assert idx.drop_pending(p2) and not idx.drop_pending(p2) and not idx.drop_pending(999)
@@ -306,7 +327,7 @@ def test_pending_lookup_depth_wait_tokens_and_backlog() -> None:
 
 def test_pending_expires_on_the_injected_clock() -> None:
     clock = FakeClock()
-    idx = KvIndex(FP, clock=clock)
+    idx = Index(FP, clock=clock)
     short = idx.add_pending("a", BASE[:4], 10, ttl_s=5)
     idx.add_pending("a", FORK4[:6], 20, ttl_s=30)
     assert idx.next_pending_expiry() == 1005.0
@@ -382,7 +403,7 @@ def model_lookup(held: dict[str, set[bytes]], q: list[bytes], exclude=None) -> d
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(WORKERS), op), max_size=60))
 def test_index_matches_model_under_random_lossy_delivery(ops) -> None:
-    idx = KvIndex(FP)
+    idx = Index(FP)
     truth = {w: set() for w in WORKERS}  # what each worker really holds
     pubs = {w: EventPublisher(w, max_blocks_per_batch=4) for w in WORKERS}
     last = {}

@@ -193,6 +193,20 @@ def test_api_key(backend: LocalBackend) -> None:
         assert call(port, "GET", "/health") == (200, {"status": "ok"})
 
 
+def test_metrics_need_the_api_key_when_one_is_set(backend: LocalBackend) -> None:
+    with serve(build_api(backend, model_name=MODEL, api_key="s3cret")) as port:
+        status, body = call(port, "GET", "/metrics")
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        status, body = call(port, "GET", "/metrics", Authorization="Bearer wrong")
+        assert status == 401
+        status, text = call(port, "GET", "/metrics", Authorization="Bearer s3cret")
+        assert status == 200 and "kvmesh_requests_total" in text
+        assert call(port, "GET", "/health") == (200, {"status": "ok"})  # probes carry no key
+    with serve(build_api(backend, model_name=MODEL)) as port:  # no key: open, as before
+        status, text = call(port, "GET", "/metrics")
+        assert status == 200 and "kvmesh_requests_total" in text
+
+
 def test_metrics(client: openai.OpenAI, server: tuple[int, Spy]) -> None:
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, stream=True).close()
     list(client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, stream=True))

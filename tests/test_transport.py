@@ -51,9 +51,13 @@ class Node:
         return self.transport.add_peer(info, handle)
 
     def read(self, peer: str, remote: Sequence[int], local: Sequence[int], timeout: float) -> int:
-        return self.transport.read_blocks(peer, remote, local, timeout)
+        return self.transport.read_blocks(peer, remote, local, timeout, "lease-of-" + peer)
 
-    def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
+    def export_blocks(self, lease_id: str, block_ids: Sequence[int]) -> np.ndarray:
+        # A worker actor serves only blocks under the caller's live lease (test_peer_hardening);
+        # this stand-in checks that the puller passed the lease it holds along.
+        if lease_id != "lease-of-" + self.transport.worker_id:
+            raise PermissionError(f"no live lease {lease_id!r}")
         return self.transport.export_blocks(block_ids)
 
 
@@ -181,7 +185,7 @@ def test_ray_transport_rejects_wrong_size(ray_session: None) -> None:  # noqa: F
     class ShortHandle:  # an "actor handle" whose export_blocks returns too few bytes
         class export_blocks:
             @staticmethod
-            def remote(ids: list[int]) -> ray.ObjectRef:
+            def remote(lease_id: str | None, ids: list[int]) -> ray.ObjectRef:
                 return ray.put(np.zeros(5, dtype=np.uint8))
 
     holder, puller = RayTransport("w-h", tiny_cache(8), FP), RayTransport("w-p", tiny_cache(8), FP)
@@ -198,7 +202,7 @@ def test_ray_transport_times_out(ray_session: None) -> None:  # noqa: F811
     class SlowHandle:  # an "actor handle" whose export_blocks does not answer in time
         class export_blocks:
             @staticmethod
-            def remote(ids: list[int]) -> ray.ObjectRef:
+            def remote(lease_id: str | None, ids: list[int]) -> ray.ObjectRef:
                 return never_done.remote()
 
     holder, puller = (
@@ -220,3 +224,21 @@ def test_make_transport_picks_by_name() -> None:
     auto.close()
     with pytest.raises(ValueError, match="unknown transport"):
         make_transport("carrier-pigeon", "w-x", cache, FP)
+
+
+def test_ray_transport_passes_the_lease_to_the_holder(ray_session: None) -> None:  # noqa: F811
+    seen = []
+
+    class Holder:  # an "actor handle" that records what export_blocks was called with
+        class export_blocks:
+            @staticmethod
+            def remote(lease_id: str | None, ids: list[int]) -> ray.ObjectRef:
+                seen.append((lease_id, ids))
+                return ray.put(holder.export_blocks(ids))
+
+    holder = RayTransport("w-h3", tiny_cache(8, seed=7), FP)
+    puller = RayTransport("w-p3", tiny_cache(8), FP)
+    peer_id = puller.add_peer(holder.local_info(), Holder())
+    assert puller.read_blocks(peer_id, [3, 1], [0, 5], 10.0, "the-lease") > 0
+    assert seen == [("the-lease", [3, 1])]
+    assert torch.equal(puller.kv_cache.data[:, :, [0, 5]], holder.kv_cache.data[:, :, [3, 1]])

@@ -37,6 +37,18 @@ logger = logging.getLogger(__name__)
 KV_LAYOUT = "L2NBHD"  # KVCache.data: [layers, K/V, blocks, block_size, kv_heads, head_dim]
 
 
+def _attention_id(backend: object, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention implementation for the fingerprint: the backend's class, plus
+    "+cpu_kernel" when the torch backend runs its rows through the C kernel (CPU, float32,
+    the kernels built, and not turned off), as `TorchAttentionBackend` decides."""
+    name = type(backend).__name__
+    kernel = getattr(backend, "cpu_kernel", None)
+    on_cpu_f32 = device.type == "cpu" and dtype == torch.float32
+    if on_cpu_f32 and kernel is not False and (kernel or kernel_library() is not None):
+        name += "+cpu_kernel"
+    return name
+
+
 @dataclass(frozen=True)
 class ConnectorContext:
     """What a connector factory gets: the worker it serves and that worker's KV cache."""
@@ -111,6 +123,11 @@ class LLMEngine:
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
+            # What else changes the numbers, so the KV bytes of every layer after the first:
+            # the attention implementation, the device, and quantized matmuls if applied.
+            attention=_attention_id(backend, self.device, self.dtype),
+            device=self.device.type,
+            quantized_matmul=self.num_quantized_weights > 0,
         )
         if connector is not None and not isinstance(connector, KvCacheConnector):
             connector = connector(ConnectorContext(worker_id, self.kv_cache, self.fingerprint))

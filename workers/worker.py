@@ -11,14 +11,23 @@ Thread model (written down because three kinds of threads meet here):
   attaches to the connector). So two workers pulling from each other cannot deadlock.
 - KV bytes of pinned blocks are read by peers without the step thread (NIXL reads memory
   directly; ``export_blocks`` copies it): pinned blocks are full and cached, so no step
-  writes them while the lease holds.
+  writes them while the lease holds. ``export_blocks`` copies under the lease lock, which
+  the step thread takes to release a lease, so a lease cannot end (and its blocks be reused)
+  in the middle of a copy.
+
+Peers are not trusted (any Ray driver on the cluster can call a worker actor): a lease id is
+an unguessable capability (``secrets.token_hex``), ``export_blocks`` serves only blocks of a
+live lease the caller names, and ``pin`` refuses (None) a lease longer than ``MAX_LEASE_S``,
+more than ``MAX_LEASES`` leases, or pins that would hold more than ``MAX_PINNED_FRACTION``
+of the pool, so a peer cannot starve this worker's own requests of blocks.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,12 +47,17 @@ from kvmesh.workers.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.01
+# Limits on what peers may pin (pins hold blocks away from this worker's own requests).
+MAX_LEASE_S = 30.0  # longest lease; a pull needs seconds at most
+MAX_PINNED_FRACTION = 0.5  # at most this share of the pool pinned at once, all leases together
+MAX_LEASES = 256  # live leases at once (each puller holds at most one per pull)
 
 
 @dataclass
 class Lease:
     blocks: list[KVBlock]
     expires_at: float
+    block_ids: frozenset[int]
 
 
 class Worker:
@@ -61,8 +75,11 @@ class Worker:
             queue.SimpleQueue()
         )
         self._wake = threading.Event()
-        self._leases: dict[int, Lease] = {}
-        self._lease_ids = itertools.count()
+        self._leases: dict[str, Lease] = {}  # lease id (a secret) -> lease
+        self._pinned: dict[int, int] = {}  # block id -> how many leases pin it
+        # Guards _leases and _pinned: the step thread changes them, export_blocks reads them.
+        self._lease_lock = threading.Lock()
+        self.pins_refused = 0
         self._stop = threading.Event()
         self._progress_at = time.monotonic()  # the step thread's last finished iteration
         self.kv.connector.attach(self.serve_peers)
@@ -102,7 +119,7 @@ class Worker:
         self._drain(self._peer_commands)
         now = time.monotonic()
         for lease_id in [i for i, lease in self._leases.items() if lease.expires_at < now]:
-            logger.warning("%s: lease %d expired; releasing", self.worker_id, lease_id)
+            logger.warning("%s: lease %s... expired; releasing", self.worker_id, lease_id[:6])
             self._release(lease_id)
 
     @staticmethod
@@ -173,40 +190,86 @@ class Worker:
                 return delta.output
         raise RuntimeError("request ended without an output")
 
-    def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[int, list[int]] | None:
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The most blocks peers may hold pinned at once, all leases together."""
+        return int(self.kv.pool.num_blocks * MAX_PINNED_FRACTION)
+
+    def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
         """Hold the cached blocks of ``hashes`` for a peer; (lease id, block ids) or None.
 
-        All or nothing: None when any hash is no longer cached here.
+        All or nothing: None when any hash is no longer cached here, and None (refused, the
+        peer computes instead) when ``lease_s`` is not a finite number in (0, MAX_LEASE_S],
+        ``hashes`` is empty, MAX_LEASES leases are live, or the pins would hold more than
+        ``max_pinned_blocks`` blocks. The lease id is a secret: only its holder can read
+        the blocks (``export_blocks``) or release them.
         """
-        return self.call(lambda: self._pin(list(hashes), lease_s), peer=True)
+        hashes = list(hashes)
+        return self.call(lambda: self._pin(hashes, lease_s), peer=True)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: str) -> None:
         self.call(lambda: self._release(lease_id), peer=True)
 
-    def _pin(self, hashes: list[BlockHash], lease_s: float) -> tuple[int, list[int]] | None:
+    def _pin(self, hashes: list[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
+        if not _valid_lease_s(lease_s) or not hashes or len(self._leases) >= MAX_LEASES:
+            return self._refuse_pin(f"{len(hashes)} blocks for {lease_s!r} s")
         blocks = [self.kv.pool.get_cached_block(h) for h in hashes]
         if any(b is None for b in blocks):
             return None
         held = [b for b in blocks if b is not None]
+        ids = frozenset(b.block_id for b in held)
+        if len(ids.union(self._pinned)) > self.max_pinned_blocks:
+            return self._refuse_pin(f"{len(ids)} blocks ({len(self._pinned)} pinned already)")
         self.kv.pool.touch(held)
-        lease_id = next(self._lease_ids)
-        self._leases[lease_id] = Lease(held, time.monotonic() + lease_s)
+        lease_id = secrets.token_hex(16)
+        with self._lease_lock:
+            self._leases[lease_id] = Lease(held, time.monotonic() + lease_s, ids)
+            for b in ids:
+                self._pinned[b] = self._pinned.get(b, 0) + 1
         return lease_id, [b.block_id for b in held]
 
-    def _release(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            self.kv.pool.free_blocks(lease.blocks[::-1])
+    def _refuse_pin(self, what: str) -> None:
+        self.pins_refused += 1
+        logger.warning("%s: refused to pin %s", self.worker_id, what)
+        return None
 
-    def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
-        """The KV bytes of (pinned) blocks, in order: `KVCache.export_blocks`."""
-        return self.engine.kv_cache.export_blocks(block_ids)
+    def _release(self, lease_id: str) -> None:
+        with self._lease_lock:  # waits for an export of this lease's blocks to finish
+            lease = self._leases.pop(lease_id, None) if isinstance(lease_id, str) else None
+            if lease is None:
+                return
+            for b in lease.block_ids:
+                if self._pinned[b] == 1:
+                    del self._pinned[b]
+                else:
+                    self._pinned[b] -= 1
+        self.kv.pool.free_blocks(lease.blocks[::-1])
+
+    def export_blocks(self, lease_id: str, block_ids: Sequence[int]) -> np.ndarray:
+        """The KV bytes of blocks pinned under the live lease ``lease_id``, in order
+        (`KVCache.export_blocks`).
+
+        Raises PermissionError, and returns no bytes, for an unknown or expired lease, or a
+        block id that lease does not pin.
+        """
+        ids = list(block_ids)
+        with self._lease_lock:  # the lease cannot end while we copy
+            lease = self._leases.get(lease_id) if isinstance(lease_id, str) else None
+            if lease is None or lease.expires_at < time.monotonic():
+                raise PermissionError(f"{self.worker_id}: no live lease with that id")
+            if not all(type(b) is int and b in lease.block_ids for b in ids):
+                raise PermissionError(f"{self.worker_id}: blocks not under that lease asked for")
+            return self.engine.kv_cache.export_blocks(ids)
 
     def cached_hashes(self) -> list[BlockHash]:
         return self.call(lambda: list(self.kv.pool.cached))
 
     def num_leases(self) -> int:
         return self.call(lambda: len(self._leases), peer=True)
+
+    def num_pinned(self) -> int:
+        """Blocks pinned by live leases now (each counted once)."""
+        return self.call(lambda: len(self._pinned), peer=True)
 
     def load(self) -> dict[str, int]:
         """Queue lengths, for routers."""
@@ -223,3 +286,10 @@ class Worker:
         self._wake.set()
         self._thread.join(timeout=5)
         self.kv.connector.close()
+
+
+def _valid_lease_s(lease_s: object) -> bool:
+    """A lease length peers may ask for: a finite real number in (0, MAX_LEASE_S]."""
+    if isinstance(lease_s, bool) or not isinstance(lease_s, int | float):
+        return False
+    return math.isfinite(lease_s) and 0 < lease_s <= MAX_LEASE_S

@@ -87,16 +87,17 @@ class WorkerActor:
                 yield delta
 
     @_peers
-    def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[int, list[int]] | None:
+    def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
         return self.worker.pin(hashes, lease_s)
 
     @_peers
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: str) -> None:
         self.worker.release(lease_id)
 
     @_peers
-    def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
-        return self.worker.export_blocks(block_ids)
+    def export_blocks(self, lease_id: str, block_ids: Sequence[int]) -> np.ndarray:
+        """The bytes of blocks under the caller's live lease; PermissionError otherwise."""
+        return self.worker.export_blocks(lease_id, block_ids)
 
     @_control
     def cached_hashes(self) -> list[BlockHash]:
@@ -105,6 +106,10 @@ class WorkerActor:
     @_control
     def num_leases(self) -> int:
         return self.worker.num_leases()
+
+    @_control
+    def num_pinned(self) -> int:
+        return self.worker.num_pinned()
 
     @_control
     def load(self) -> dict[str, int]:
