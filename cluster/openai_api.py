@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``; the OpenAPI schema at
-``/openapi.json`` (request and response models from ``protocol.py``) and its page at ``/docs``.
+``/openapi.json`` (request models from ``protocol.py``, response models from
+``response_models.py``) and its page at ``/docs``.
 
 Every request is validated in full (types, model, sampling fields, prompt length against the
 context) before the backend sees it, and bad input gets a 4xx with OpenAI's error body and
@@ -44,7 +45,6 @@ from kvmesh.cluster.backend import Backend, Chunk, GenerateRequest, Unavailable
 from kvmesh.cluster.metrics import CONTENT_TYPE, ServeMetrics
 from kvmesh.cluster.protocol import (
     REQUEST_MODELS,
-    RESPONSE_MODELS,
     ApiError,
     B,
     ChatCompletionRequest,
@@ -55,6 +55,7 @@ from kvmesh.cluster.protocol import (
     parse_body,
     valid,
 )
+from kvmesh.cluster.response_models import RESPONSE_MODELS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

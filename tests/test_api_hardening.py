@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from kvmesh.cluster.frontend import WorkerLostError
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import DEFAULT_MAX_REQUEST_BYTES, build_api
-from kvmesh.cluster.protocol import (
+from kvmesh.cluster.response_models import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
