@@ -25,7 +25,7 @@ import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import RayActorError
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.config import ServeConfig
@@ -45,16 +45,11 @@ class WorkerLostError(Unavailable):
     """A request's worker was lost more often than ``max_migrations`` allows."""
 
 
-# What a lost worker replica looks like to a caller: the replica or its engine actor died
-# (RayActorError and kin, also when wrapped in the replica's RayTaskError).
-_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
 def _is_lost(e: BaseException) -> bool:
-    if isinstance(e, _LOST):
-        return True
-    cause = getattr(e, "cause", None)
-    return isinstance(cause, _LOST)
+    """What a lost worker replica looks like to a caller: the replica or its engine actor
+    died or is unreachable (RayActorError, which ActorDiedError and ActorUnavailableError
+    subclass), also when wrapped in the replica's RayTaskError."""
+    return isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError)
 
 
 class ClusterBackend:

@@ -249,9 +249,7 @@ class KvIndex:
         state = self._workers[worker_id]
         self.authorize(worker_id, token)
         new = set(hashes)
-        bad = [h for h in new if type(h) is not bytes or len(h) != HASH_LEN]
-        if bad:
-            raise ValueError(f"snapshot hashes must be {HASH_LEN} bytes, got {bad[0]!r:.60}")
+        _check_hashes(new, "snapshot")
         if type(next_seq) is not int or next_seq < 0:
             raise ValueError(f"next_seq must be a non-negative int, got {next_seq!r}")
         mine = self._blocks[worker_id]
@@ -351,9 +349,7 @@ class KvIndex:
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id must be a non-empty str, got {worker_id!r}")
         chain = tuple(hashes)
-        bad = [h for h in chain if type(h) is not bytes or len(h) != HASH_LEN]
-        if bad:
-            raise ValueError(f"pending hashes must be {HASH_LEN} bytes, got {bad[0]!r:.60}")
+        _check_hashes(chain, "pending")
         if type(tokens) is not int or tokens < 0:
             raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
         if not isinstance(ttl_s, int | float) or not ttl_s > 0:
@@ -602,3 +598,10 @@ def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
         else:
             hi = mid
     return lo
+
+
+def _check_hashes(hashes: Iterable[bytes], what: str) -> None:
+    """ValueError unless every hash is ``HASH_LEN`` bytes."""
+    bad = [h for h in hashes if type(h) is not bytes or len(h) != HASH_LEN]
+    if bad:
+        raise ValueError(f"{what} hashes must be {HASH_LEN} bytes, got {bad[0]!r:.60}")
