@@ -27,10 +27,11 @@ from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.router import CostModel
-from kvmesh.cluster.worker_request import WorkerRequest
+from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.outputs import StreamDelta
 from kvmesh.workers.worker_actor import worker_actor_class
 
@@ -42,6 +43,23 @@ READY_TIMEOUT_S = 300.0  # model load on a cold node
 
 def worker_name(role: str, replica_unique_id: str) -> str:
     return f"{role}-{replica_unique_id}"
+
+
+def pull_plan(plan: Plan | None, role: str) -> PullPlan | None:
+    """The part of the router's plan the worker's connector uses: where to pull the prefix
+    from, and how deep (blocks of the request's chain). None when the plan cannot say, and
+    then the worker looks the index up itself: no plan came (another router), or its holder
+    is a worker of another role (a prefill worker, for a decode one), which the router does
+    not count among its replicas and so does not size."""
+    if plan is None:
+        return None
+    if plan.wait_for is not None:
+        return PullPlan(plan.wait_for, plan.wait_blocks)
+    if plan.holder is not None and plan.pull_blocks:
+        return PullPlan(plan.holder, plan.local_blocks + plan.pull_blocks)
+    if plan.holder is not None and not plan.holder.startswith(f"{role}-"):
+        return None
+    return PullPlan(None)  # nothing to pull: the prefix is here, or nowhere
 
 
 def engine_config(config: ServeConfig) -> EngineConfig:
@@ -63,6 +81,7 @@ class WorkerDeployment:
     def __init__(self, config: dict[str, Any], role: str) -> None:
         self.config = ServeConfig.from_dict(config)
         ctx = serve.get_replica_context()
+        self.role = role
         self.name = worker_name(role, ctx.replica_id.unique_id)
         conn = (
             ClusterConnectorConfig(transport=self.config.transport)
@@ -97,7 +116,10 @@ class WorkerDeployment:
             await self._wait_for_arrival(request.chain[: plan.local_blocks])
         queue = (plan.queue if plan is not None else 0) or 0
         gen = self.actor.generate_stream.remote(
-            request.prompt_ids, request.params, resumed_token_ids=request.resumed_ids
+            request.prompt_ids,
+            request.params,
+            resumed_token_ids=request.resumed_ids,
+            pull_plan=pull_plan(plan, self.role),
         )
         finished = False
         first = True
@@ -108,8 +130,12 @@ class WorkerDeployment:
                 if first and self.index is not None:
                     first = False
                     # The prompt's blocks are computed: publish them now for waiting peers
-                    # (their Stored event also ends this request's pending entry).
-                    self.actor.flush_events.remote()
+                    # (their Stored event also ends this request's pending entry). A prefill
+                    # waits for it: the decode request routed next must find them in the
+                    # index, or its plan names no holder and its worker pulls nothing.
+                    flushed = self.actor.flush_events.remote()
+                    if self.role == "prefill":
+                        await flushed
                 if delta.output is not None:
                     finished = True
                     await self._observe(delta, queue)

@@ -1,10 +1,13 @@
 """``ClusterKvConnector``: the seam implemented over the cluster index and a block transport.
 
-After a local prefix miss, ``lookup`` asks the index which peer holds the longest run of the
-missing blocks. ``load`` then asks that peer to pin them under a lease, reads them into the
-freshly allocated local blocks with one transfer, and releases the lease. Any failure (peer
-gone, blocks no longer held, lease expired, timeout, size mismatch, refused peer) returns
-False: the manager computes those tokens instead, so wrong KV is never used.
+After a local prefix miss, ``lookup`` says how many blocks a peer can supply: the router's
+plan when one came and its holder is a known peer, else the index's answer (asked on a thread
+of its own: ``None`` until it comes). ``start_load`` queues the pull: pin the blocks at the
+holder under a lease, read them into the freshly allocated local blocks with one transfer,
+release the lease; ``poll_loads`` reports how it ended. All of that runs on the loader's
+threads (``async_load.py``), never on the step thread. Any failure (peer gone, blocks no
+longer held, lease expired, timeout, size mismatch, refused peer) reports 0 blocks: the
+manager computes those tokens instead, so wrong KV is never used.
 
 Events for the index (``Stored`` / ``Removed`` / ``Cleared``) are buffered on the step thread
 and sent by a publisher thread in batches, so a step never waits on the index.
@@ -35,12 +38,14 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from kvmesh.connector.async_load import PullLoader
 from kvmesh.connector.events import EventPublisher
+from kvmesh.connector.fault_transport import TransferFaults
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.connector.transport import BlockTransport, TransferError, make_transport
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.engine import ConnectorContext
-from kvmesh.workers.kv_connector import KvCacheConnector
+from kvmesh.workers.kv_connector import KvCacheConnector, LoadResult, PullPlan
 from kvmesh.workers.worker import MAX_LEASE_S, MAX_PINNED_FRACTION
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,7 @@ class ClusterConnectorConfig:
     publish_interval_s: float = 0.02
     heartbeat_interval_s: float = 1.0
     min_pull_blocks: int = 1  # pull only when a peer has at least this many more blocks
+    faults: TransferFaults | None = None  # test/bench hook only: inject transfer faults
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "timeout_s"):
@@ -99,7 +105,7 @@ class ClusterKvConnector(KvCacheConnector):
         self.worker_id = ctx.worker_id
         self.config = config
         self.transport: BlockTransport = make_transport(
-            config.transport, ctx.worker_id, ctx.kv_cache, ctx.fingerprint.id
+            config.transport, ctx.worker_id, ctx.kv_cache, ctx.fingerprint.id, config.faults
         )
         self._fingerprint_id = ctx.fingerprint.id
         self.index = get_index_actor(self._fingerprint_id)
@@ -112,11 +118,6 @@ class ClusterKvConnector(KvCacheConnector):
         self._next_rejoin = 0.0
         self._warned_at = -WARN_INTERVAL_S
         self._suppressed = 0
-        self._service: Callable[[], None] = lambda: None
-        self._planned: tuple[str, int] | None = None  # (holder, blocks) from the last lookup
-        self._peers: dict[str, Any] = {}  # worker id -> actor handle, once added to transport
-        # worker id -> the most blocks it lets peers pin (a longer pull would be refused)
-        self._pin_caps: dict[str, int] = {}
         self._max_pin_blocks = int(ctx.kv_cache.num_blocks * MAX_PINNED_FRACTION)
         self._lock = threading.Lock()  # guards the publisher and the mirror below
         self._flush_lock = threading.Lock()  # one batch in flight
@@ -124,7 +125,9 @@ class ClusterKvConnector(KvCacheConnector):
         self._held: set[BlockHash] = set()  # mirror of the pool's cached hashes, for snapshots
         self.stats: dict[str, float] = {
             "pull_s": 0.0,  # time inside transport reads
-            "lookups": 0,
+            "lookups": 0,  # lookup calls (the step thread's)
+            "index_lookups": 0,  # of those and of loads, the ones that asked the index
+            "stale_plans": 0,  # lookups whose plan named a holder that is not a known peer
             "pulls": 0,
             "pulled_blocks": 0,
             "pulled_bytes": 0,
@@ -135,6 +138,14 @@ class ClusterKvConnector(KvCacheConnector):
             "rejoins": 0,
         }
         self._handle = ray.get_runtime_context().current_actor
+        self._loader = PullLoader(
+            self.worker_id,
+            config,
+            self.transport,
+            self._call,
+            lambda: self._must_rejoin,
+            self.stats,
+        )
         try:
             self._register()
         except IndexUnavailable as e:  # serve without the index; the publisher rejoins
@@ -162,23 +173,20 @@ class ClusterKvConnector(KvCacheConnector):
             self._token,  # the index may still know us: only our token may re-register us
             timeout_s=REGISTER_TIMEOUT_S,
         )
+        self._loader.refresh_directory()
 
     # -- index calls --------------------------------------------------------------------------
 
-    def _call(
-        self, method: str, *args: Any, timeout_s: float | None = None, serve: bool = False
-    ) -> Any:
-        """Call an index method; every failure raises IndexUnavailable.
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Call an index method (never from the step thread); every failure raises
+        IndexUnavailable.
 
-        ``serve``: wait with :meth:`_wait` (the step thread keeps serving peers' pins). A dead
-        or restarting index is re-resolved and calls for a rejoin, and so does an error raised
-        inside the index (e.g. it no longer knows this worker); a timeout only raises.
+        A dead or restarting index is re-resolved and calls for a rejoin, and so does an error
+        raised inside the index (e.g. it no longer knows this worker); a timeout only raises.
         """
         index = self.index
         try:
             ref = getattr(index, method).remote(*args)
-            if serve:
-                return self._wait(ref)
             return ray.get(ref, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
         except RayActorError as e:  # killed, crashed, or restarting (ActorUnavailableError)
             self._index_lost(index)
@@ -221,94 +229,26 @@ class ClusterKvConnector(KvCacheConnector):
         self._warned_at, self._suppressed = now, 0
         logger.warning("%s: " + msg, self.worker_id, *args)
 
-    def attach(self, service: Callable[[], None]) -> None:
-        self._service = service
+    def attach(self, wake: Callable[[], None]) -> None:
+        self._loader.wake = wake
 
-    # -- lookup and load (step thread) --------------------------------------------------------
+    # -- lookup and loads (the step thread asks; the loader's threads wait) ------------------
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        self._planned = None
-        self.stats["lookups"] += 1
-        if self._must_rejoin:  # the index is down or restarting: never stall a step on it
-            return 0
-        try:
-            depths = self._call("lookup", list(hashes), self.worker_id, serve=True)
-        except Exception as e:
-            self._warn("index lookup failed (%s); computing", e)
-            return 0
-        if not depths:
-            return 0
-        holder, depth = max(depths.items(), key=lambda kv: (kv[1], kv[0]))
-        try:
-            self._peer(holder)
-        except Exception as e:  # not registered, or refused at handshake: load would fail
-            self._warn("cannot pull from %s (%s); computing", holder, e)
-            return 0
-        # The holder refuses pins over its cap: pull what it grants, compute the rest.
-        depth = min(depth, self._pin_caps.get(holder, depth))
-        if depth < self.config.min_pull_blocks:
-            return 0
-        self._planned = (holder, depth)
-        return depth
+    def lookup(self, hashes: Sequence[BlockHash], plan: PullPlan | None = None) -> int | None:
+        return self._loader.lookup(hashes, plan)
 
-    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> bool:
-        planned, self._planned = self._planned, None
-        if planned is None or len(hashes) > planned[1]:
-            return False
-        holder = planned[0]
-        try:
-            handle = self._peer(holder)
-            lease = self._wait(handle.pin.remote(list(hashes), self.config.lease_s))
-            if lease is None:  # evicted since the lookup: the index was a hint
-                raise TransferError(f"{holder} no longer holds the blocks")
-            lease_id, remote_ids = lease
-            try:
-                if len(remote_ids) != len(block_ids):
-                    raise TransferError(f"{holder} pinned {len(remote_ids)} blocks")
-                started = time.perf_counter()
-                nbytes = self.transport.read_blocks(
-                    holder, remote_ids, list(block_ids), self.config.timeout_s, lease_id
-                )
-                self.stats["pull_s"] += time.perf_counter() - started
-            finally:
-                handle.release.remote(lease_id)  # fire and forget; expiry covers a lost call
-        except Exception as e:
-            self.stats["pull_failures"] += 1
-            logger.warning(
-                "%s: pull of %d blocks from %s failed: %s", self.worker_id, len(hashes), holder, e
-            )
-            return False
-        self.stats["pulls"] += 1
-        self.stats["pulled_blocks"] += len(hashes)
-        self.stats["pulled_bytes"] += nbytes
-        return True
+    def start_load(
+        self,
+        load_id: int,
+        hashes: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        plan: PullPlan | None = None,
+    ) -> LoadResult | None:
+        self._loader.start_load(load_id, hashes, block_ids, plan)
+        return None
 
-    def _peer(self, worker_id: str) -> Any:
-        """The peer's actor handle, adding it to the transport the first time (checks the
-        fingerprint: a refused peer raises PeerRefused)."""
-        if worker_id not in self._peers:
-            workers = self._call("workers", serve=True)
-            meta = workers.get(worker_id)
-            if meta is None or meta.get("handle") is None:
-                raise TransferError(f"{worker_id} is not registered")
-            self.transport.add_peer(meta["transport"], meta["handle"])
-            self._peers[worker_id] = meta["handle"]
-            cap = meta.get("max_pin_blocks")
-            if isinstance(cap, int) and not isinstance(cap, bool):
-                self._pin_caps[worker_id] = cap
-        return self._peers[worker_id]
-
-    def _wait(self, ref: ray.ObjectRef) -> Any:
-        """ray.get that keeps serving peers' pins while it waits (no pull deadlocks)."""
-        deadline = time.monotonic() + self.config.timeout_s
-        while True:
-            ready, _ = ray.wait([ref], timeout=0.002)
-            if ready:
-                return ray.get(ready[0])
-            self._service()
-            if time.monotonic() > deadline:
-                ray.cancel(ref)
-                raise TransferError("timed out waiting for a peer or the index")
+    def poll_loads(self) -> list[LoadResult]:
+        return self._loader.poll_loads()
 
     # -- observations (step thread) -------------------------------------------------------
 
@@ -345,6 +285,7 @@ class ClusterKvConnector(KvCacheConnector):
                 if now - last_beat > self.config.heartbeat_interval_s:
                     last_beat = now
                     self._check_incarnation()
+                    self._loader.refresh_directory()  # peers that left or came
             except IndexUnavailable as e:
                 self._warn("publishing to the index failed: %s", e)
             except Exception:  # keep publishing whatever one round hit
@@ -421,12 +362,15 @@ class ClusterKvConnector(KvCacheConnector):
         return len(hashes)
 
     def get_stats(self) -> dict[str, float]:
-        """This connector's counters; never asks the index."""
-        return dict(self.stats)
+        """This connector's counters and its transport's (``known_peers``: the peers a plan
+        may name); never asks the index."""
+        known = {"known_peers": len(self._loader.directory)}
+        return {**self.stats, **self.transport.get_stats(), **known}
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._loader.close(self.config.timeout_s)
         if not self._must_rejoin:  # else the index does not know us: nothing to take back
             self.flush()
             try:

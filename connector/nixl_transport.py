@@ -19,10 +19,11 @@ nixl is imported inside `NixlTransport.__init__`: this module imports without it
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,9 +35,11 @@ from kvmesh.workers.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-# Polling interval while a transfer is in flight: short against a ~1 ms block pull, long
-# enough not to starve NIXL's progress thread of a core.
+# Polling interval while a transfer is in flight: starts short against a ~1 ms block pull and
+# doubles up to _MAX_POLL_S, so a long pull (on its own thread, beside the step thread) does
+# not take the GIL 20000 times a second, nor starve NIXL's progress thread of a core.
 _POLL_S = 50e-6
+_MAX_POLL_S = 1e-3
 # NIXL's UCX progress thread waits on the UCX workers' event fds with this timeout (µs,
 # rounded up to ms). The Python wrapper hard-codes 0, which makes the thread spin: one core
 # per idle worker (measured). 100 ms keeps it event-driven; it still wakes on every message.
@@ -90,6 +93,17 @@ def _collapse_to_huge_pages(data: torch.Tensor) -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_COLLAPSE) == 0
+
+
+class TransferInFlight(TransferError):
+    """A read failed (timed out, or NIXL would not release it) and may still be running:
+    the local blocks may still be written. ``is_over()`` checks without waiting; once it
+    returns True the transfer's handle is released and nothing writes those blocks any more.
+    Until then they must not be reused."""
+
+    def __init__(self, message: str, is_over: Callable[[], bool]) -> None:
+        super().__init__(message)
+        self.is_over = is_over
 
 
 def _slab_descs(base: int, num_slabs: int, slab_nbytes: int, device_id: int) -> np.ndarray:
@@ -190,27 +204,49 @@ class NixlTransport(BlockTransport):
             )
         except Exception as e:  # nixl raises its own exception types from the bindings
             raise TransferError(f"cannot set up a read from {peer_id}: {e}") from e
+        poll = _POLL_S
         try:
             state = self._agent.transfer(xfer)
             while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
+                time.sleep(poll)
+                poll = min(poll * 2, _MAX_POLL_S)
                 state = self._agent.check_xfer_state(xfer)
         except Exception as e:
             state = f"ERR ({e})"
-        finally:
-            self._release(xfer)
+        what = f"read of {len(local_block_ids)} blocks from {peer_id}"
+        if state == "PROC":
+            # UCX cannot cancel an RMA GET: releasing the handle would leave the read running
+            # (writing into blocks the caller is about to reuse), with no way to see it end.
+            # Keep the handle; the caller quarantines the blocks until ``is_over``.
+            msg = f"{what} timed out after {timeout_s}s"
+            raise TransferInFlight(msg, functools.partial(self._over, xfer))
+        released = self._release(xfer)
         if state != "DONE":
-            what = f"timed out after {timeout_s}s" if state == "PROC" else f"failed: {state}"
-            raise TransferError(f"read of {len(local_block_ids)} blocks from {peer_id} {what}")
+            msg = f"{what} failed: {state}"
+            if not released:  # NIXL would not let go of it: it may still be running
+                raise TransferInFlight(msg, functools.partial(self._over, xfer))
+            raise TransferError(msg)
         return len(local_block_ids) * self.kv_cache.block_bytes_all_layers
 
-    def _release(self, xfer: Any) -> None:
-        # Releasing an unfinished transfer tries to cancel it; if that fails the handle is
-        # leaked to the agent (it retries at teardown) rather than masking the real error.
+    def _release(self, xfer: Any, warn: bool = True) -> bool:
+        """Release a transfer's handle; False when NIXL refuses (an active transfer it could
+        not cancel): the handle stays, and so may writes into its local blocks."""
         try:
             self._agent.release_xfer_handle(xfer)
+            return True
         except Exception as e:
-            logger.warning("%s: could not release a NIXL transfer: %s", self.worker_id, e)
+            if warn:
+                logger.warning("%s: could not release a NIXL transfer: %s", self.worker_id, e)
+            return False
+
+    def _over(self, xfer: Any) -> bool:
+        """For a transfer that could not be cancelled: is it over (and released) now?"""
+        try:
+            if self._agent.check_xfer_state(xfer) == "PROC":
+                return False
+        except Exception as e:  # an error state ends the transfer too; release decides
+            logger.debug("%s: transfer state check failed: %s", self.worker_id, e)
+        return self._release(xfer, warn=False)  # polled: the first refusal was logged
 
     def close(self) -> None:
         """Remove peers, release the local descriptor list and deregister the KV memory."""

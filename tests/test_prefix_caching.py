@@ -142,3 +142,27 @@ def test_prefix_caching_disabled_never_hits() -> None:
     alloc = h.prefill(h.new_request("r1", list(range(10))))
     assert alloc is not None and alloc.num_computed_tokens == 0
     assert h.manager.pool.cached == {}
+
+
+def test_a_peers_lease_holds_blocks_and_integrity_counts_it() -> None:
+    h = make()
+    r0 = h.new_request("r0", list(range(10)))
+    h.prefill(r0)
+    h.finish(r0)  # blocks 0 and 1 stay cached, free
+    hashes = r0.block_hashes[:2]
+    assert h.manager.pin("lease-a", [*hashes, b"not cached"]) is None  # all or nothing
+    assert h.manager.pin("lease-a", hashes) == [0, 1]
+    h.manager.check_integrity()  # a lease's references are accounted for
+    assert h.manager.num_free_blocks == 8  # pinned blocks left the free queue
+    # A request hitting the pinned prefix shares the blocks; the lease still holds them.
+    r1 = h.new_request("r1", [*range(8), 99])
+    assert len(h.manager.get_computed_blocks(r1).local_blocks) == 2
+    h.prefill(r1)
+    h.manager.check_integrity()
+    h.finish(r1)
+    assert [b.ref_cnt for b in h.manager.pool.blocks[:2]] == [1, 1]
+    h.manager.check_integrity()
+    h.manager.unpin("lease-a")
+    h.manager.unpin("lease-a")  # releasing twice is a no-op
+    assert h.manager.num_free_blocks == 10
+    h.manager.check_integrity()

@@ -22,7 +22,7 @@ from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_cache import KVCache, parse_memory
 from kvmesh.workers.kv_cache_manager import KVCacheManager
-from kvmesh.workers.kv_connector import KvCacheConnector
+from kvmesh.workers.kv_connector import KvCacheConnector, PullPlan
 from kvmesh.workers.loader import load_weights
 from kvmesh.workers.model import LlamaForCausalLM
 from kvmesh.workers.model_runner import ModelRunner
@@ -142,6 +142,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        # Requests in the last step's batch; 0 while every request waits (e.g. for a load).
+        self.last_batch_size = 0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -153,11 +155,17 @@ class LLMEngine:
         on_delta: DeltaCallback | None = None,
         *,
         resumed_token_ids: Sequence[int] = (),
+        pull_plan: PullPlan | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError."""
         return self.enqueue(
             self.make_request(
-                prompt, params, request_id, on_delta, resumed_token_ids=resumed_token_ids
+                prompt,
+                params,
+                request_id,
+                on_delta,
+                resumed_token_ids=resumed_token_ids,
+                pull_plan=pull_plan,
             )
         )
 
@@ -169,6 +177,7 @@ class LLMEngine:
         on_delta: DeltaCallback | None = None,
         *,
         resumed_token_ids: Sequence[int] = (),
+        pull_plan: PullPlan | None = None,
     ) -> _Tracked:
         """Validate a request without queuing it (so a batch is all or nothing).
 
@@ -181,6 +190,9 @@ class LLMEngine:
         final ``RequestOutput`` has the original prompt as ``prompt_token_ids``, the resumed
         plus new tokens as ``token_ids``, the full text, and logprobs of the new tokens only
         (``num_resumed_tokens`` says where they start).
+
+        ``pull_plan``: the cluster router's plan for the prefix (``PullPlan``), handed to the
+        connector; without one the connector looks the prefix up itself.
         """
         params = params or SamplingParams()
         token_ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
@@ -209,8 +221,16 @@ class LLMEngine:
                 f"resumed_token_ids: their text holds the stop string "
                 f"{detokenizer.stopped_by!r}, so the request has already finished"
             )
+        if pull_plan is not None and not isinstance(pull_plan, PullPlan):
+            raise ValueError("pull_plan: must be a PullPlan or None")
         req = Request(
-            rid, token_ids, self.config.block_size, self.fingerprint.namespace, params, resumed
+            rid,
+            token_ids,
+            self.config.block_size,
+            self.fingerprint.namespace,
+            params,
+            resumed,
+            pull_plan,
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return _Tracked(req, params, seed, detokenizer, text, on_delta)
@@ -274,6 +294,7 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """Schedule, run, postprocess. Returns one delta per request that produced a token."""
         batch = self.scheduler.schedule()
+        self.last_batch_size = len(batch)
         if not batch:
             return []
         logits = self.runner.run(batch, [self.kv.get_block_ids(s.request) for s in batch])

@@ -1,17 +1,38 @@
 """The KV cache connector seam: how a worker's block pool reaches KV outside itself.
 
-The KV cache manager calls a connector at these points, and nowhere else:
+The KV cache manager calls a connector at these points, and nowhere else, all on the step
+thread (the thread that owns the pool). None of them may wait on the network: a connector
+that talks to peers does that on threads of its own.
 
-1. After the local prefix lookup stops at block k: ``lookup(hashes[k:])`` says how many more
-   blocks (a prefix of ``hashes[k:]``) the connector can supply. Side-effect free.
-2. The manager allocates that many fresh local blocks and calls ``load(hashes, block_ids)``
-   to fill them. Only when it succeeds are the blocks registered and counted as a hit; on
-   failure they are not registered and those tokens are computed into them. The manager picks
-   the block ids, so a connector can never hand back ids of blocks it did not fill.
-3. ``on_hit``, ``on_store``, ``on_evict``, ``on_clear``: observations, after the fact.
+1. After the local prefix lookup stops at block k: ``lookup(hashes[k:], plan)`` says how many
+   more blocks (a prefix of ``hashes[k:]``) the connector can supply, or None: "not known yet,
+   ask again at a later step" (it started a query of its own; the request waits meanwhile
+   and other requests run). ``plan`` is the cluster router's ``PullPlan`` for the request,
+   relative to ``hashes``, when one came with it; it is passed only when there is one.
+   What ``lookup`` may keep: answers to the queries it started (keyed by the hashes asked
+   about), as a cache it may drop at any time. Nothing a load needs: a load never depends on
+   an earlier ``lookup``, and the manager may never start one (the pool may be too full).
+2. The manager allocates that many fresh local blocks and calls ``start_load(load_id, hashes,
+   block_ids, plan)``. The manager picks the block ids (fresh, held by this request only), so
+   a connector can never hand back ids of blocks it did not fill. Either the load completes
+   inside the call (a ``LoadResult``, e.g. a local tier: the default calls ``load``), or it
+   runs in the background (None) and ``poll_loads`` reports it later, exactly once.
+3. ``poll_loads()`` (every step): the ``LoadResult``s of background loads that ended. A result
+   says how many leading blocks were filled with the right KV; only those are registered and
+   counted as a hit, and the tokens of the rest are computed into the same blocks (never
+   wrong KV). A result is final: nothing writes those blocks afterwards. Except a result
+   with ``writing=True``: the load failed but a transfer into its blocks could not be
+   stopped; the manager keeps those blocks out of use (quarantined; the request gets others)
+   until a later result for the same ``load_id`` comes with ``writing=False``.
+4. ``on_hit``, ``on_store``, ``on_evict``, ``on_clear``: observations, after the fact.
+
+A request whose load is in flight can be aborted: its blocks stay allocated until the load's
+result comes, so no transfer ever writes into a block that was handed to someone else.
 
 The cluster connector (``kvmesh.connector``) implements this seam over the cluster index and
-a transport; ``workers/`` only knows this interface.
+a transport; ``workers/`` only knows this interface. The cluster layer itself calls only the
+named methods ``flush``, ``get_stats``, ``lookup`` (through ``WorkerActor.peer_blocks``) and
+``close``.
 """
 
 from __future__ import annotations
@@ -19,6 +40,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvmesh.workers.block_hash import BlockHash
 
@@ -28,36 +50,92 @@ BlockWriter = Callable[[int, bytes], None]
 """Writes KV bytes into a local block id."""
 
 
+@dataclass(frozen=True)
+class PullPlan:
+    """The cluster router's decision about where a request's prefix comes from.
+
+    ``holder`` (a worker id) holds the first ``depth`` blocks of the block-hash chain it is
+    given with; None: the router planned no pull. A connector uses it unless it is stale
+    (the holder is not among the peers it knows, or refuses the pin), and then looks the
+    index up itself.
+    """
+
+    holder: str | None
+    depth: int = 0
+
+    def __post_init__(self) -> None:
+        if self.holder is not None and not isinstance(self.holder, str):
+            raise ValueError(f"pull_plan.holder: must be a worker id or None, got {self.holder!r}")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 0:
+            raise ValueError(f"pull_plan.depth: must be an integer >= 0, got {self.depth!r}")
+
+    def after(self, num_blocks: int) -> PullPlan:
+        """The same plan for the chain without its first ``num_blocks`` blocks."""
+        return PullPlan(self.holder, max(0, self.depth - num_blocks))
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """How a load ended: ``num_blocks`` leading blocks filled with the right KV (0: failed).
+
+    ``writing``: failed, and a transfer may still write its blocks; a later result for the
+    same ``load_id`` with ``writing=False`` says it has stopped.
+    """
+
+    load_id: int
+    num_blocks: int
+    writing: bool = False
+
+
 class KvCacheConnector(ABC):
     """A source of KV blocks beyond the local pool, plus observer of the pool's changes."""
 
     @abstractmethod
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        """How many blocks, from the start of ``hashes``, this connector could load.
+    def lookup(self, hashes: Sequence[BlockHash], plan: PullPlan | None = None) -> int | None:
+        """How many blocks, from the start of ``hashes``, this connector could load; None
+        while it does not know yet (ask again at a later step). Never waits on the network.
 
-        Must not change any state that ``load`` depends on: it is a hint, and the manager may
-        never call ``load`` after it (the pool may be too full).
+        A hint: the load may fill fewer. Keeps nothing a load depends on (see the module).
         """
 
-    @abstractmethod
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> bool:
-        """Fill local blocks ``block_ids[i]`` with the KV of ``hashes[i]``, all or nothing.
+        """A synchronous fill (the default ``start_load`` calls it): local blocks
+        ``block_ids[i]`` get the KV of ``hashes[i]``, all or nothing.
 
         Returns True only when every block was filled with the right bytes. On False (or an
         exception) the blocks are not registered and the tokens are computed into them; what
         was partly written is overwritten then, so it is never read.
-
-        A connector that blocks here (waiting on a peer) must call the ``service`` function
-        given to ``attach`` while it waits, so peers pulling from this worker make progress.
         """
+        return False
 
-    def attach(self, service: Callable[[], None]) -> None:
-        """Called once by the worker that owns this connector; see ``load``."""
+    def start_load(
+        self,
+        load_id: int,
+        hashes: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        plan: PullPlan | None = None,
+    ) -> LoadResult | None:
+        """Fill ``block_ids[i]`` with the KV of ``hashes[i]`` (a leading run of them at least).
+
+        Returns the result when the load completed inside this call, or None when it runs in
+        the background: then ``poll_loads`` reports it once it ended. Never waits on the
+        network. An exception counts as a result of 0 blocks.
+        """
+        return LoadResult(load_id, len(hashes) if self.load(hashes, block_ids) else 0)
+
+    def poll_loads(self) -> list[LoadResult]:
+        """Results of background loads that ended since the last call (see the module)."""
+        return []
+
+    def attach(self, wake: Callable[[], None]) -> None:
+        """Called once by the worker that owns this connector: call ``wake`` (from any
+        thread) when a lookup's answer or a load's result is ready, so an idle step thread
+        picks it up at once."""
 
     def on_hit(self, request_id: str, num_local_blocks: int, num_loaded_blocks: int) -> None:
-        """A request's prefix was served: blocks found locally and blocks loaded by ``load``.
+        """A request's prefix was served: blocks found locally and blocks loaded.
 
-        Called after the allocation succeeded (and the load, when there was one).
+        Called after the allocation succeeded and the load, if any, ended.
         """
 
     def on_store(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
@@ -86,19 +164,17 @@ class KvCacheConnector(ABC):
 class NoopKvCacheConnector(KvCacheConnector):
     """The default: supplies nothing, observes nothing. Behaviour equals no connector."""
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+    def lookup(self, hashes: Sequence[BlockHash], plan: PullPlan | None = None) -> int:
         return 0
-
-    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> bool:
-        return False
 
 
 class InMemoryKvCacheConnector(KvCacheConnector):
     """A process-local store of block payloads keyed by hash: an external KV tier in miniature.
 
     Every stored block's bytes are copied out through ``reader``; ``load`` copies them back
-    through ``writer``. Evicting a block locally leaves its copy here, so a later request gets
-    it back through ``load`` instead of computing it. ``capacity`` bounds the store (LRU).
+    through ``writer``, synchronously (through the default ``start_load``). Evicting a block
+    locally leaves its copy here, so a later request gets it back through ``load`` instead of
+    computing it. ``capacity`` bounds the store (LRU).
     """
 
     def __init__(
@@ -119,7 +195,7 @@ class InMemoryKvCacheConnector(KvCacheConnector):
             "clears": 0,
         }
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+    def lookup(self, hashes: Sequence[BlockHash], plan: PullPlan | None = None) -> int:
         self.stats["lookups"] += 1
         n = 0
         for h in hashes:

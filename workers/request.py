@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.workers.block_hash import BlockHash, BlockHasher
+from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.outputs import RequestMetrics
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # admitted; its prefix is being loaded
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -27,6 +29,9 @@ class Request:
     ``resumed_token_ids`` are output tokens generated elsewhere (a request cut off on another
     worker): they start ``output_token_ids`` and are prefilled with the prompt, since their KV
     is not here (a prefix hit or pull can still supply it: their blocks hash as usual).
+
+    ``pull_plan``: where the cluster router said the prefix can be pulled from (see
+    ``PullPlan``); None when no plan came, and the connector looks for itself.
     """
 
     def __init__(
@@ -37,6 +42,7 @@ class Request:
         namespace: bytes,
         params: Any = None,
         resumed_token_ids: Sequence[int] = (),
+        pull_plan: PullPlan | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt: must hold at least one token")
@@ -49,6 +55,9 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         # Tokens whose KV is in this request's blocks (local hits + pulled + computed).
         self.num_computed_tokens = 0
+        self.pull_plan = pull_plan
+        # False after a load whose transfer could not be stopped: compute everything instead.
+        self.may_pull = True
         self._hasher = BlockHasher(block_size, namespace)
         self._hasher.extend(self.prompt_token_ids)
         self._hasher.extend(self.output_token_ids)

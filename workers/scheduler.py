@@ -4,6 +4,12 @@ Each step mixes decodes and (chunked) prefills under a token budget. Running req
 first, in arrival order; when the pool has no room for one, the most recently started running
 request is preempted (its blocks freed, its tokens recomputed later). Waiting requests are
 admitted only when no preemption happened this step, so a starved pool drains first.
+
+A request whose prefix comes from outside the pool (a peer, another tier) is admitted with its
+blocks allocated and its load started, and then waits in ``loading`` while the other
+requests keep running; it joins the batch at the first step after its load ended (the tokens
+a failed load did not fill are computed). A request the connector is still looking up for
+stays in ``waiting`` and is asked about again next step; the requests behind it go ahead.
 """
 
 from __future__ import annotations
@@ -43,14 +49,17 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # admitted, waiting for their load to end
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run or wait for, or connector results still to collect."""
+        return bool(self.waiting or self.running or self.loading) or self.kv.awaits_connector
 
     def schedule(self) -> list[ScheduledRequest]:
+        self._collect_loads()
         budget = self.config.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         preempted = False
@@ -78,13 +87,21 @@ class Scheduler:
             not preempted
             and j < len(self.waiting)
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             req = self.waiting[j]
             computed = self.kv.get_computed_blocks(req)
-            found = len(computed.local_blocks) + computed.num_external_blocks
+            if computed is None:  # the connector is still looking: ask again next step
+                j += 1
+                continue
+            local = len(computed.local_blocks)
+            found = local + computed.num_external_blocks
             cacheable = min(len(req.block_hashes), (req.num_tokens - 1) // self.kv.block_size)
-            if found < cacheable and req.block_hashes[found] in pending:
+            # Blocks that requests here compute or load now: wait a step (or a load) and hit
+            # them, rather than computing or pulling them a second time.
+            if (found < cacheable and req.block_hashes[found] in pending) or (
+                local < found and req.block_hashes[local] in pending
+            ):
                 j += 1
                 continue
             hit = found * self.kv.block_size
@@ -95,24 +112,54 @@ class Scheduler:
             req.num_computed_tokens = alloc.num_computed_tokens
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
-                req.metrics.num_cached_tokens = alloc.num_local_hit_tokens
-                req.metrics.num_pulled_tokens = alloc.num_loaded_tokens
-                # num_tokens: the prompt, and a resumed request's resumed tokens, all prefilled.
-                req.metrics.num_computed_tokens = req.num_tokens - alloc.num_computed_tokens
+            self._record_sources(req, alloc.num_local_hit_tokens, alloc.num_loaded_tokens)
+            pending.update(req.block_hashes[req.num_computed_tokens // self.kv.block_size :])
+            if alloc.num_loading_tokens:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.loading[req.request_id] = req
+                continue
             # A failed load leaves more to compute; the blocks allocated already cover it.
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            pending.update(req.block_hashes[req.num_computed_tokens // self.kv.block_size :])
             batch.append(ScheduledRequest(req, n))
             budget -= n
         return batch
 
+    def _collect_loads(self) -> None:
+        """Requests whose load ended join the running ones (or start over, see
+        ``LoadOutcome.restart``)."""
+        for outcome in self.kv.poll_loads():
+            req = outcome.request
+            if self.loading.get(req.request_id) is not req:
+                continue
+            del self.loading[req.request_id]
+            if outcome.restart:
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+                continue
+            req.num_computed_tokens += outcome.num_loaded_tokens
+            self._record_sources(req, req.metrics.num_cached_tokens, outcome.num_loaded_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    @staticmethod
+    def _record_sources(req: Request, local_tokens: int, pulled_tokens: int) -> None:
+        """Where the KV of the admission that yields the first token comes from."""
+        if req.metrics.first_token_time is not None:
+            return
+        req.metrics.num_cached_tokens = local_tokens
+        req.metrics.num_pulled_tokens = pulled_tokens
+        # num_tokens: the prompt, and a resumed request's resumed tokens, all prefilled.
+        req.metrics.num_computed_tokens = req.num_tokens - local_tokens - pulled_tokens
+
     def _pending_blocks(self) -> set[bytes]:
-        """Hashes of full blocks that running requests have yet to compute."""
+        """Hashes of full blocks that running requests have yet to compute, or loading
+        requests to load or compute."""
         bs = self.kv.block_size
         pending: set[bytes] = set()
-        for req in self.running:
+        for req in [*self.running, *self.loading.values()]:
             pending.update(req.block_hashes[req.num_computed_tokens // bs :])
         return pending
 
@@ -127,6 +174,8 @@ class Scheduler:
         """Drop a finished (or aborted) request and free its blocks."""
         if req in self.running:
             self.running.remove(req)
+        elif self.loading.get(req.request_id) is req:
+            del self.loading[req.request_id]  # its blocks are freed when the load ends
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)

@@ -3,12 +3,16 @@
 Thread model (written down because three kinds of threads meet here):
 
 - The step thread owns the engine: scheduler, block pool, KV cache manager, model. Nothing
-  else touches them. It loops: run queued commands, release expired leases, ``engine.step()``.
+  else touches them. It loops: run queued commands, serve peers' pins and releases, release
+  expired leases, ``engine.step()``. It never waits on the network: the connector looks up
+  and loads on threads of its own, and wakes the step thread (``attach``) when an answer or
+  a load's result is ready. When every request waits on the connector it sleeps until then.
 - Caller threads (the Ray actor's concurrency group, or a test) never touch the engine: they
   enqueue a command and wait on its future (``call``), or wait on a request's delta queue.
-- Peer commands (``pin`` / ``release``) go on a separate queue, which the step thread also
-  serves from inside a blocking ``connector.load`` (through the ``service`` function it
-  attaches to the connector). So two workers pulling from each other cannot deadlock.
+- Peer commands (``pin`` / ``release``) go on a separate queue, served every iteration, so a
+  peer's pull waits at most one step for its pin (and two workers pulling from each other
+  cannot deadlock: neither step thread waits for the other). Pins go through the KV cache
+  manager (``KVCacheManager.pin``), which counts them in its integrity check.
 - KV bytes of pinned blocks are read by peers without the step thread (NIXL reads memory
   directly; ``export_blocks`` copies it): pinned blocks are full and cached, so no step
   writes them while the lease holds. ``export_blocks`` copies under the lease lock, which
@@ -38,9 +42,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvmesh.workers.block_hash import BlockHash
-from kvmesh.workers.block_pool import KVBlock
 from kvmesh.workers.engine import ConnectorFactory, LLMEngine
 from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.sampling_params import SamplingParams
 
@@ -55,9 +59,8 @@ MAX_LEASES = 256  # live leases at once (each puller holds at most one per pull)
 
 @dataclass
 class Lease:
-    blocks: list[KVBlock]
     expires_at: float
-    block_ids: frozenset[int]
+    block_ids: frozenset[int]  # held by the KV cache manager under the lease's id
 
 
 class Worker:
@@ -82,7 +85,7 @@ class Worker:
         self.pins_refused = 0
         self._stop = threading.Event()
         self._progress_at = time.monotonic()  # the step thread's last finished iteration
-        self.kv.connector.attach(self.serve_peers)
+        self.kv.connector.attach(self._wake.set)
         self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-step", daemon=True)
         self._thread.start()
 
@@ -92,13 +95,16 @@ class Worker:
         while not self._stop.is_set():
             self._drain(self._commands)
             self.serve_peers()
+            ran = False
             if self.engine.has_unfinished():
                 try:
                     self.engine.step()
+                    ran = self.engine.last_batch_size > 0
                 except Exception:  # a bug in a step must not kill the worker silently
                     logger.exception("engine step failed")
                     self._fail_all()
-            else:
+                    ran = True
+            if not ran:  # idle, or every request waits on the connector: until it wakes us
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
             self._progress_at = time.monotonic()
@@ -154,16 +160,22 @@ class Worker:
         params: SamplingParams | None = None,
         *,
         resumed_token_ids: Sequence[int] = (),
+        pull_plan: PullPlan | None = None,
     ) -> Iterator[StreamDelta]:
         """Queue a request; yield its deltas as the step thread produces them.
 
         ``resumed_token_ids``: output tokens another worker already streamed; the deltas go
-        on from there (see ``LLMEngine.make_request``).
+        on from there (see ``LLMEngine.make_request``). ``pull_plan``: the router's plan for
+        the prefix, for the connector.
         """
         deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         # Validates, and replays resumed tokens through the detokenizer, on this thread.
         tracked = self.engine.make_request(
-            prompt, params, on_delta=deltas.put, resumed_token_ids=resumed_token_ids
+            prompt,
+            params,
+            on_delta=deltas.put,
+            resumed_token_ids=resumed_token_ids,
+            pull_plan=pull_plan,
         )
         rid = self.call(lambda: self.engine.enqueue(tracked))
         finished = False
@@ -184,8 +196,12 @@ class Worker:
         params: SamplingParams | None = None,
         *,
         resumed_token_ids: Sequence[int] = (),
+        pull_plan: PullPlan | None = None,
     ) -> RequestOutput:
-        for delta in self.stream(prompt, params, resumed_token_ids=resumed_token_ids):
+        stream = self.stream(
+            prompt, params, resumed_token_ids=resumed_token_ids, pull_plan=pull_plan
+        )
+        for delta in stream:
             if delta.output is not None:
                 return delta.output
         raise RuntimeError("request ended without an output")
@@ -193,7 +209,7 @@ class Worker:
     @property
     def max_pinned_blocks(self) -> int:
         """The most blocks peers may hold pinned at once, all leases together."""
-        return int(self.kv.pool.num_blocks * MAX_PINNED_FRACTION)
+        return int(self.kv.num_blocks * MAX_PINNED_FRACTION)
 
     def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
         """Hold the cached blocks of ``hashes`` for a peer; (lease id, block ids) or None.
@@ -213,20 +229,19 @@ class Worker:
     def _pin(self, hashes: list[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
         if not _valid_lease_s(lease_s) or not hashes or len(self._leases) >= MAX_LEASES:
             return self._refuse_pin(f"{len(hashes)} blocks for {lease_s!r} s")
-        blocks = [self.kv.pool.get_cached_block(h) for h in hashes]
-        if any(b is None for b in blocks):
-            return None
-        held = [b for b in blocks if b is not None]
-        ids = frozenset(b.block_id for b in held)
-        if len(ids.union(self._pinned)) > self.max_pinned_blocks:
-            return self._refuse_pin(f"{len(ids)} blocks ({len(self._pinned)} pinned already)")
-        self.kv.pool.touch(held)
         lease_id = secrets.token_hex(16)
+        block_ids = self.kv.pin(lease_id, hashes)
+        if block_ids is None:  # not all of them cached here (any more)
+            return None
+        ids = frozenset(block_ids)
+        if len(ids.union(self._pinned)) > self.max_pinned_blocks:
+            self.kv.unpin(lease_id)
+            return self._refuse_pin(f"{len(ids)} blocks ({len(self._pinned)} pinned already)")
         with self._lease_lock:
-            self._leases[lease_id] = Lease(held, time.monotonic() + lease_s, ids)
+            self._leases[lease_id] = Lease(time.monotonic() + lease_s, ids)
             for b in ids:
                 self._pinned[b] = self._pinned.get(b, 0) + 1
-        return lease_id, [b.block_id for b in held]
+        return lease_id, block_ids
 
     def _refuse_pin(self, what: str) -> None:
         self.pins_refused += 1
@@ -243,7 +258,7 @@ class Worker:
                     del self._pinned[b]
                 else:
                     self._pinned[b] -= 1
-        self.kv.pool.free_blocks(lease.blocks[::-1])
+        self.kv.unpin(lease_id)
 
     def export_blocks(self, lease_id: str, block_ids: Sequence[int]) -> np.ndarray:
         """The KV bytes of blocks pinned under the live lease ``lease_id``, in order
@@ -262,7 +277,7 @@ class Worker:
             return self.engine.kv_cache.export_blocks(ids)
 
     def cached_hashes(self) -> list[BlockHash]:
-        return self.call(lambda: list(self.kv.pool.cached))
+        return self.call(self.kv.cached_hashes)
 
     def num_leases(self) -> int:
         return self.call(lambda: len(self._leases), peer=True)
@@ -272,12 +287,15 @@ class Worker:
         return self.call(lambda: len(self._pinned), peer=True)
 
     def load(self) -> dict[str, int]:
-        """Queue lengths, for routers."""
+        """Queue lengths, for routers. ``running`` counts every admitted request, those
+        waiting for their prefix's load (also ``loading``) included."""
+        sched = self.engine.scheduler
         return self.call(
             lambda: {
-                "running": len(self.engine.scheduler.running),
-                "waiting": len(self.engine.scheduler.waiting),
-                "free_blocks": self.kv.pool.num_free_blocks,
+                "running": len(sched.running) + len(sched.loading),
+                "loading": len(sched.loading),
+                "waiting": len(sched.waiting),
+                "free_blocks": self.kv.num_free_blocks,
             }
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,11 +23,13 @@ import torch
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.engine import ConnectorFactory
 from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.sampling_params import SamplingParams
 from kvmesh.workers.worker import Worker
 
 MAX_CONCURRENCY = 64  # streams
+PEER_BLOCKS_TIMEOUT_S = 30.0  # how long ``peer_blocks`` waits for the connector's answer
 CONCURRENCY_GROUPS = {"peers": 16, "control": 8}
 _peers = ray.method(concurrency_group="peers")
 _control = ray.method(concurrency_group="control")
@@ -65,8 +68,11 @@ class WorkerActor:
         params: SamplingParams | None = None,
         *,
         resumed_token_ids: Sequence[int] = (),
+        pull_plan: PullPlan | None = None,
     ) -> RequestOutput:
-        return self.worker.generate(prompt, params, resumed_token_ids=resumed_token_ids)
+        return self.worker.generate(
+            prompt, params, resumed_token_ids=resumed_token_ids, pull_plan=pull_plan
+        )
 
     def generate_stream(
         self,
@@ -74,12 +80,17 @@ class WorkerActor:
         params: SamplingParams | None = None,
         *,
         resumed_token_ids: Sequence[int] = (),
+        pull_plan: PullPlan | None = None,
     ) -> Iterator[StreamDelta]:
+        """The request's deltas as they come. ``pull_plan``: the router's plan for the
+        prefix (holder, depth), used by the connector unless stale."""
         ctx = ray.get_runtime_context()
         # A caller that went away (a closed HTTP stream) cancels this task: a threaded actor
         # cannot be interrupted, so check between tokens; closing the stream aborts the
         # request and frees its blocks.
-        stream = self.worker.stream(prompt, params, resumed_token_ids=resumed_token_ids)
+        stream = self.worker.stream(
+            prompt, params, resumed_token_ids=resumed_token_ids, pull_plan=pull_plan
+        )
         with contextlib.closing(stream):
             for delta in stream:
                 if ctx.is_canceled():
@@ -122,9 +133,17 @@ class WorkerActor:
 
     @_control
     def peer_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of ``hashes`` a peer offers (the connector's lookup, on the
-        step thread, which owns the connector's lookup state)."""
-        return self.worker.call(lambda: self.worker.kv.connector.lookup(list(hashes)))
+        """How many leading blocks of ``hashes`` a peer offers: the connector's lookup, on the
+        step thread, asked again until it knows (it looks up on a thread of its own)."""
+        hashes = list(hashes)
+        deadline = time.monotonic() + PEER_BLOCKS_TIMEOUT_S
+        while True:
+            n = self.worker.call(lambda: self.worker.kv.connector.lookup(hashes))
+            if n is not None:
+                return n
+            if time.monotonic() > deadline:
+                return 0
+            time.sleep(0.005)
 
     @_control
     def connector_stats(self) -> dict[str, float]:
