@@ -15,12 +15,15 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 import numpy as np
 
 from kvmesh.workers.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from kvmesh.connector.fault_transport import TransferFaults
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +186,10 @@ class BlockTransport(ABC):
         for peer_id in list(self._peers):
             self.remove_peer(peer_id)
 
+    def get_stats(self) -> dict[str, float]:
+        """Counters the connector adds to its own `get_stats` (none here; faults' counts)."""
+        return {}
+
     def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """Holder side: `KVCache.export_blocks`, unchecked (a worker actor's `export_blocks`
         checks the caller's lease first: never expose this one to peers as is)."""
@@ -226,10 +233,28 @@ class BlockTransport(ABC):
 
 
 def make_transport(
-    name: str | None, worker_id: str, kv_cache: KVCache, fingerprint_id: str
+    name: str | None,
+    worker_id: str,
+    kv_cache: KVCache,
+    fingerprint_id: str,
+    faults: TransferFaults | None = None,
 ) -> BlockTransport:
     """ "nixl", "ray", or None: NIXL when it imports and an agent can be created, else Ray.
-    Raises ValueError for any other name."""
+    Raises ValueError for any other name.
+
+    Test/bench hook: with `faults`, or else the `KVMESH_FAULT_TRANSPORT` environment variable
+    (parsed only here), the transport is wrapped in a `FaultyTransport` (fault_transport.py).
+    """
+    from kvmesh.connector.fault_transport import FaultyTransport, TransferFaults
+
+    faults = faults if faults is not None else TransferFaults.from_env()  # bad spec: raise now
+    transport = _make_transport(name, worker_id, kv_cache, fingerprint_id)
+    return transport if faults is None else FaultyTransport(transport, faults)
+
+
+def _make_transport(
+    name: str | None, worker_id: str, kv_cache: KVCache, fingerprint_id: str
+) -> BlockTransport:
     from kvmesh.connector.nixl_transport import NixlTransport
     from kvmesh.connector.ray_transport import RayTransport
 
