@@ -33,6 +33,13 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None
     max_request_bytes: int = 2 * 1024 * 1024  # larger HTTP bodies get a 413
+    # Admission, per ingress replica: it holds at most its share of what the workers run at
+    # once (max_num_seqs each, at the most workers) plus this many requests waiting, and
+    # answers the rest 429 with Retry-After at once (``admission_limit``). The default, one
+    # worker batch, lets a waiting request start within about one batch's time: admitted
+    # latency stays bounded while a burst still queues instead of being refused.
+    max_queued_requests: int = 64
+    retry_after_s: float = 1.0  # the Retry-After of a refusal (rounded up to whole seconds)
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
     max_num_seqs: int = 64
@@ -53,6 +60,10 @@ class ServeConfig:
     # unhealthy (Serve replaces it).
     health_stall_s: float = 30.0
     drain_timeout_s: float = 30.0  # how long a stopping worker lets running requests finish
+    # Ray custom resources each worker / ingress replica needs, e.g. {"gpu_node": 1}: where
+    # an operator wants them placed (the ingress on CPU-only nodes, one worker per host).
+    worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    ingress_resources: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -110,11 +121,20 @@ class ServeConfig:
             "health_check_period_s",
             "health_stall_s",
             "drain_timeout_s",
+            "retry_after_s",
         ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise bad(name, "must be a positive finite number")
         if self.max_request_bytes < 1:
             raise bad("max_request_bytes", "must be >= 1")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be >= 1")
+        if self.max_queued_requests < 0:
+            raise bad("max_queued_requests", "must be >= 0")
+        for name in ("worker_resources", "ingress_resources"):
+            for key, amount in getattr(self, name).items():
+                if not isinstance(key, str) or not _is(amount, float) or not 0 < amount < 1e9:
+                    raise bad(name, "must map resource names to positive amounts")
         if self.api_key == "":
             raise bad("api_key", "must not be empty (leave it out to disable auth)")
 
@@ -140,6 +160,20 @@ class ServeConfig:
         """(deployment role, min replicas, max replicas or None for a fixed count)."""
         names = ("prefill", "decode") if self.disaggregated else ("worker",)
         return [(n, c, m) for n, (_, c, m) in zip(names, self._scaling(), strict=True)]
+
+    @property
+    def worker_capacity(self) -> int:
+        """Requests the workers that hold them (unified or decode) run at once, at their most
+        replicas: ``max_num_seqs`` each. A prefill holds its request for one token only."""
+        most = sum(m if m is not None else c for role, c, m in self.roles if role != "prefill")
+        return most * self.max_num_seqs
+
+    @property
+    def admission_limit(self) -> int:
+        """Generation requests one ingress replica admits at once (running and waiting): its
+        share of ``worker_capacity`` plus ``max_queued_requests``."""
+        share = -(-self.worker_capacity // self.ingress_replicas)  # rounded up
+        return share + self.max_queued_requests
 
     @property
     def model_name(self) -> str:
@@ -195,6 +229,8 @@ _TYPES: dict[str, type] = {
     "port": int,
     "api_key": str,
     "max_request_bytes": int,
+    "max_queued_requests": int,
+    "retry_after_s": float,
     "num_cpus_per_worker": float,
     "num_gpus_per_worker": float,
     "max_num_seqs": int,
@@ -211,6 +247,8 @@ _TYPES: dict[str, type] = {
     "health_check_period_s": float,
     "health_stall_s": float,
     "drain_timeout_s": float,
+    "worker_resources": dict,
+    "ingress_resources": dict,
 }
 
 

@@ -237,6 +237,8 @@ class ClusterBackend:
             "index_blocks": index.get("blocks", 0),
             "pull_bytes": sum(c.get("pulled_bytes", 0) for c in good),
             "pull_failures": sum(c.get("pull_failures", 0) for c in good),
+            "pull_s": sum(c.get("pull_s", 0.0) for c in good),
+            "pulls": sum(c.get("pulls", 0) for c in good),
         }
 
     def shutdown(self) -> None:

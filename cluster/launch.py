@@ -7,6 +7,7 @@ process is left behind.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -32,6 +33,12 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "port": {"type": int},
     "api-key": {"help": "require this bearer key on /v1/*"},
     "max-request-bytes": {"type": int, "help": "larger HTTP bodies get a 413"},
+    "max-queued-requests": {
+        "type": int,
+        "help": "per ingress replica, requests admitted beyond what the workers run at once; "
+        "the rest get a 429 with Retry-After (default 64)",
+    },
+    "retry-after-s": {"type": float, "help": "the Retry-After of a 429 (default 1)"},
     "num-cpus-per-worker": {"type": float},
     "num-gpus-per-worker": {"type": float},
     "max-num-seqs": {"type": int},
@@ -48,7 +55,25 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "health-check-period-s": {"type": float},
     "health-stall-s": {"type": float},
     "drain-timeout-s": {"type": float},
+    "worker-resources": {
+        "type": lambda s: _json_object(s, "worker-resources"),
+        "help": 'Ray custom resources per worker, JSON, e.g. \'{"gpu_host": 1}\'',
+    },
+    "ingress-resources": {
+        "type": lambda s: _json_object(s, "ingress-resources"),
+        "help": "Ray custom resources per ingress replica, JSON",
+    },
 }
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{flag}: must be a JSON object, got {text!r}")
+    return value
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -84,11 +109,12 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     a new one. Ray 2.60 turns token authentication on: a driver joining a head started with
     ``ray start`` must say so, so joining sets ``RAY_AUTH_MODE=token`` when a token exists.
     """
+    if address != "local" and os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+        # Before Ray's first import: its core reads the mode once, when it loads.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     if address != "local":
-        if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
         try:
             ray.init(address=address, log_to_driver=False)
             return False
@@ -105,12 +131,12 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
 
 
 def serve_forever(config: ServeConfig, address: str = "auto") -> None:
+    started_ray = connect_ray(config, address)  # first: it sets Ray's auth mode before import
     import ray
     from ray import serve
 
     from kvmesh.cluster.serve_app import deploy
 
-    started_ray = connect_ray(config, address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

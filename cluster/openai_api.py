@@ -2,8 +2,7 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``; the OpenAPI schema at
-``/openapi.json`` (request models from ``protocol.py``, response models from
-``response_models.py``) and its page at ``/docs``.
+``/openapi.json`` (``openapi_doc.py``) and its page at ``/docs``.
 
 Every request is validated in full (types, model, sampling fields, prompt length against the
 context) before the backend sees it, and bad input gets a 4xx with OpenAI's error body and
@@ -12,11 +11,13 @@ its first chunk before sending headers, so errors the backend finds at admission
 request larger than the KV pool) are still a 400. A client that disconnects cancels its
 request, which aborts it in the engine.
 
+With an ``Admission``, the generation routes admit a bounded number of requests at once and
+refuse the rest at once with a 429 and ``Retry-After`` (``admission.py``).
+
 The event loop stays free for other requests: a body over ``max_request_bytes`` is refused
 (413) from its Content-Length or as soon as that many bytes came in, and parsing JSON,
 applying the chat template and tokenizing run in worker threads. Errors never carry internal
-details: a ValueError (also one a Ray task error wraps) is a 400 with the ValueError's own
-message; anything else is a 500 whose detail goes to the log only.
+details (``http_errors.py``).
 """
 
 from __future__ import annotations
@@ -34,28 +35,35 @@ from typing import Annotated, Any, TypeVar
 import anyio.to_thread
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic.json_schema import models_json_schema
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh import __version__
-from kvmesh.cluster.backend import Backend, Chunk, GenerateRequest, Unavailable
+from kvmesh.cluster.admission import GENERATION_PATHS, Admission, AdmitRequests
+from kvmesh.cluster.backend import Backend, Chunk, GenerateRequest
+from kvmesh.cluster.http_errors import (
+    OVERLOADED_STATUS,
+    add_error_handlers,
+    as_api_error,
+    call_backend,
+)
+from kvmesh.cluster.http_middleware import CountRequests, LimitBody
 from kvmesh.cluster.metrics import CONTENT_TYPE, ServeMetrics
+from kvmesh.cluster.openapi_doc import (
+    add_openapi,
+    error_responses,
+    generation_responses,
+    json_response,
+    request_body,
+)
 from kvmesh.cluster.protocol import (
-    REQUEST_MODELS,
     ApiError,
     B,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseShape,
-    describe_errors,
-    error_body,
     parse_body,
     valid,
 )
-from kvmesh.cluster.response_models import RESPONSE_MODELS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,13 +78,15 @@ def build_api(
     api_key: str | None = None,
     metrics: ServeMetrics | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    admission: Admission | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` as the one model ``model_name``.
 
     With ``api_key``, /v1/* and /metrics need ``Authorization: Bearer <api_key>`` (metrics
     name workers and show load: a scraper sends the key as a bearer token); /health, /docs
     and /openapi.json stay open (probes carry no key). A request body over
-    ``max_request_bytes`` gets a 413.
+    ``max_request_bytes`` gets a 413. With ``admission``, the generation routes admit at
+    most its limit at once and answer the rest 429 with ``Retry-After`` at once.
     """
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int):
         raise ValueError(f"max_request_bytes: must be an integer, got {max_request_bytes!r}")
@@ -84,10 +94,13 @@ def build_api(
         raise ValueError(f"max_request_bytes: must be at least 1, got {max_request_bytes}")
     metrics = metrics or ServeMetrics()
     app = FastAPI(title="kvmesh", version=__version__, docs_url="/docs", redoc_url=None)
-    app.add_middleware(_LimitBody, max_bytes=max_request_bytes)
-    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: 413s count too
-    _add_error_handlers(app)
-    _add_openapi(app, secured=api_key is not None)
+    # The last added runs first: count everything, refuse overload before reading a body.
+    app.add_middleware(LimitBody, max_bytes=max_request_bytes)
+    if admission is not None:
+        app.add_middleware(AdmitRequests, admission=admission, paths=GENERATION_PATHS)
+    app.add_middleware(CountRequests, metrics=metrics, paths=GENERATION_PATHS)
+    add_error_handlers(app)
+    add_openapi(app, secured=api_key is not None)
 
     async def check_key(request: Request) -> None:
         if api_key is None:
@@ -101,14 +114,15 @@ def build_api(
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     gen = _Generation(backend, metrics)
     started = int(time.time())
-    statuses = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
-    errors = _error_responses(*statuses)
+    statuses = [400, *([401] if api_key else []), 404, 413]
+    statuses += [*([OVERLOADED_STATUS] if admission is not None else []), 500, 503]
+    errors = error_responses(*statuses)
 
     @v1.post(
         "/chat/completions",
         response_model=None,
-        openapi_extra=_request_body(ChatCompletionRequest),
-        responses=_generation_responses("ChatCompletionResponse", "ChatCompletionChunk") | errors,
+        openapi_extra=request_body(ChatCompletionRequest),
+        responses=generation_responses("ChatCompletionResponse", "ChatCompletionChunk") | errors,
     )
     async def chat_completions(
         request: Request,
@@ -127,8 +141,8 @@ def build_api(
     @v1.post(
         "/completions",
         response_model=None,
-        openapi_extra=_request_body(CompletionRequest),
-        responses=_generation_responses("CompletionResponse", "CompletionChunk") | errors,
+        openapi_extra=request_body(CompletionRequest),
+        responses=generation_responses("CompletionResponse", "CompletionChunk") | errors,
     )
     async def completions(
         request: Request,
@@ -146,8 +160,8 @@ def build_api(
     @v1.get(
         "/models",
         response_model=None,
-        responses=_json_response("ModelList", "The one model served.")
-        | _error_responses(*(401,) if api_key else ()),
+        responses=json_response("ModelList", "The one model served.")
+        | error_responses(*(401,) if api_key else ()),
     )
     async def models() -> dict[str, Any]:
         card = {
@@ -159,7 +173,7 @@ def build_api(
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health", response_model=None, responses=_json_response("Health", "Serving."))
+    @app.get("/health", response_model=None, responses=json_response("Health", "Serving."))
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
@@ -168,7 +182,7 @@ def build_api(
         response_class=Response,
         dependencies=[Depends(check_key)],
         responses={200: {"description": "Prometheus text format.", "content": {"text/plain": {}}}}
-        | _error_responses(*(401,) if api_key else ()),
+        | error_responses(*(401,) if api_key else ()),
     )
     async def prometheus() -> Response:
         try:
@@ -266,7 +280,7 @@ class _Generation:
                 if include_usage:
                     yield _sse(shape.usage_chunk(chunk.completion))
         except Exception as e:  # headers are sent: the error goes in the stream
-            yield _sse(_as_api_error(e, f"stream {shape.id}").body)
+            yield _sse(as_api_error(e, f"stream {shape.id}").body)
         finally:
             await _aclose(chunks)
         yield "data: [DONE]\n\n"
@@ -279,53 +293,10 @@ def _chat_ids(backend: Backend, messages: list[dict[str, str]]) -> list[int]:
         raise ApiError(400, f"messages: {e}", param="messages") from None
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    """``e`` itself, or the cause that a Ray task error wraps (``RayTaskError.cause``; its own
-    message holds the remote traceback, pid and actor id, so the cause's is the one to show)."""
-    for _ in range(8):  # RayTaskError(RayTaskError(ValueError)): a task that called a task
-        cause = getattr(e, "cause", None)
-        if not isinstance(cause, BaseException) or cause is e:
-            break
-        e = cause
-    return e
-
-
-def _client_error(e: BaseException) -> ValueError | None:
-    """The ValueError behind ``e``, if any (see ``_root_cause``)."""
-    root = _root_cause(e)
-    return root if isinstance(root, ValueError) else None
-
-
-def _as_api_error(e: Exception, where: str) -> ApiError:
-    """ValueError (or one wrapped) -> 400 with its own message; anything else -> a 500 that
-    says nothing internal, its detail logged under a reference the message gives."""
-    if isinstance(e, ApiError):
-        return e
-    bad = _client_error(e)
-    if bad is not None:
-        return ApiError.bad_input(bad)
-    root = _root_cause(e)
-    if isinstance(root, Unavailable):
-        return ApiError(503, str(root), "server_error", code="unavailable")
-    ref = uuid.uuid4().hex[:12]
-    logger.error("%s failed (ref %s)", where, ref, exc_info=e)
-    return ApiError(500, f"internal server error (ref {ref})", "server_error")
-
-
-async def _call_backend(aw: Awaitable[T]) -> T:
-    """Await the backend: ValueError -> 400, anything else unexpected -> logged 500."""
-    try:
-        return await aw
-    except StopAsyncIteration:
-        raise ApiError(500, "the backend's stream ended without output", "server_error") from None
-    except Exception as e:
-        raise _as_api_error(e, "backend call") from None
-
-
 async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
     """Await the backend, cancelling it (so the engine aborts the request) when the client
     disconnects first. Starlette cancels nothing before a response starts, hence this."""
-    task = asyncio.ensure_future(_call_backend(aw))
+    task = asyncio.ensure_future(call_backend(aw))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -357,219 +328,3 @@ async def _aclose(it: AsyncIterator[Any]) -> None:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    async def api_error(request: Request, e: Exception) -> Response:
-        assert isinstance(e, ApiError)
-        return JSONResponse(e.body, status_code=e.status)
-
-    async def http_error(request: Request, e: Exception) -> Response:
-        assert isinstance(e, StarletteHTTPException)
-        type_ = "server_error" if e.status_code >= 500 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(e.detail), type_), status_code=e.status_code, headers=e.headers
-        )
-
-    async def validation_error(request: Request, e: Exception) -> Response:
-        # FastAPI answers 422 with its own body; OpenAI and vLLM answer 400 with theirs.
-        assert isinstance(e, RequestValidationError)
-        message, param = describe_errors(e.errors())
-        return JSONResponse(error_body(message, param=param), status_code=400)
-
-    async def unexpected(request: Request, e: Exception) -> Response:
-        assert isinstance(e, Exception)
-        error = _as_api_error(e, f"{request.method} {request.url.path}")
-        return JSONResponse(error.body, status_code=error.status)
-
-    app.add_exception_handler(ApiError, api_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected)
-
-
-# -- OpenAPI ----------------------------------------------------------------------------------
-
-_REF = "#/components/schemas/{model}"
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": _REF.format(model=name)}
-
-
-def _request_body(model: type[Any]) -> dict[str, Any]:
-    """openapi_extra for a route that parses its own body (off the event loop)."""
-    content = {"application/json": {"schema": _ref(model.__name__)}}
-    return {"requestBody": {"required": True, "content": content}}
-
-
-def _json_response(name: str, description: str) -> dict[int | str, Any]:
-    return {
-        200: {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
-    }
-
-
-def _generation_responses(full: str, chunk: str) -> dict[int | str, Any]:
-    # One server-sent event, as schemathesis and OpenAPI < 3.2 tools read a stream's schema:
-    # its data is a chunk (or an error, after the first event) as JSON, or [DONE] at the end.
-    event = {
-        "type": "object",
-        "required": ["data"],
-        "properties": {
-            "data": {
-                "anyOf": [
-                    {"const": "[DONE]"},
-                    {
-                        "type": "string",
-                        "contentMediaType": "application/json",
-                        "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]},
-                    },
-                ]
-            }
-        },
-        "description": f"With stream: server-sent events `data: <{chunk}>`, then `data: [DONE]`;"
-        " an error after the first event comes as `data: <ErrorResponse>`.",
-    }
-    content = {
-        "application/json": {"schema": _ref(full)},
-        "text/event-stream": {"schema": event},
-    }
-    return {200: {"description": f"{full}, or a stream of {chunk}s.", "content": content}}
-
-
-_ERRORS = {
-    400: "Bad input; `param` names the field.",
-    401: "Missing or wrong API key.",
-    404: "Unknown model.",
-    413: "Request body over max_request_bytes.",
-    500: "Internal error; the detail is in the server's log.",
-    503: "The request could not be finished now (its worker was lost too often); the "
-    "message names the cause.",
-}
-
-
-def _error_responses(*statuses: int) -> dict[int | str, Any]:
-    content = {"application/json": {"schema": _ref("ErrorResponse")}}
-    return {s: {"description": _ERRORS[s], "content": content} for s in statuses}
-
-
-@functools.cache
-def _component_schemas() -> dict[str, Any]:
-    pairs = [(m, "validation") for m in REQUEST_MODELS]
-    pairs += [(m, "serialization") for m in RESPONSE_MODELS]
-    _, top = models_json_schema(pairs, ref_template=_REF)  # type: ignore[arg-type]
-    return top["$defs"]
-
-
-def _add_openapi(app: FastAPI, secured: bool) -> None:
-    """The schema FastAPI generates, plus the models our routes parse and build themselves."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(
-                title=app.title,
-                version=app.version,
-                description="OpenAI-compatible API; see the README's HTTP section.",
-                routes=app.routes,
-            )
-            components = schema.setdefault("components", {})
-            components.setdefault("schemas", {}).update(_component_schemas())
-            if secured:
-                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-                for path, ops in schema.get("paths", {}).items():
-                    if path.startswith("/v1/") or path == "/metrics":
-                        for op in ops.values():
-                            op["security"] = [{"bearer": []}]
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
-# -- ASGI middleware --------------------------------------------------------------------------
-
-
-class _LimitBody:
-    """ASGI middleware: refuse a request body over ``max_bytes`` with a 413, from its
-    Content-Length before reading anything, or as soon as a chunked body passes the limit.
-    What it admits it has read whole, and hands on as one message; later ``receive`` calls
-    (the disconnect that cancels a request) go to the server as before."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await self._refuse(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # gone before the body was in
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        whole: dict[str, Any] | None = {"type": "http.request", "body": b"".join(chunks)}
-        chunks.clear()
-
-        async def replay() -> dict[str, Any]:
-            nonlocal whole
-            if whole is not None:
-                message, whole = whole, None
-                return message
-            return await receive()  # then the disconnect, as from the server
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
-        body = error_body(
-            f"request body: larger than the limit of {self.max_bytes} bytes",
-            code="request_too_large",
-        )
-        await JSONResponse(body, status_code=413)(scope, receive, send)
-
-
-def _content_length(scope: dict) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the server refuses such a request before it reaches us
-    return None
-
-
-class _CountRequests:
-    """ASGI middleware: count requests by route template and status (pure ASGI, not
-    BaseHTTPMiddleware, so streams and disconnect cancellation pass through untouched)."""
-
-    def __init__(self, app: Any, metrics: ServeMetrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def send_status(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.observe_request(route, status)

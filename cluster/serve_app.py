@@ -7,26 +7,43 @@ stateless ingress in front of them.
   ``"stream": True`` in the request *and* ``handle.options(stream=True)`` it yields chunks.
 - ``build_app(args)`` is the Serve ``import_path`` target (serveConfigV2, KubeRay), and
   ``deploy(config)`` runs it from Python and returns the ``DeploymentHandle``.
+
+Queues are bounded end to end. Each ingress replica admits at most
+``config.admission_limit`` generation requests at once (HTTP and handle alike); over HTTP the
+rest get a 429 with ``Retry-After`` and OpenAI's error body, over the handle Serve's
+``BackPressureError``. Behind it, Serve's ``max_queued_requests`` on each worker deployment
+(``admission_limit`` as well, a backstop; its ``BackPressureError`` is a 429 too) bounds what
+waits at a caller for a worker replica; in front of it, Serve's proxy queues at most
+``INGRESS_SPARE_SLOTS`` requests for an ingress slot (past that, Serve's own plain-text 429).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.serve.config import BackpressureConfig
+from ray.serve.exceptions import BackPressureError
 
+from kvmesh.cluster.admission import Admission
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.frontend import ClusterBackend
+from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
 from kvmesh.cluster.worker_deployment import WorkerDeployment
 from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 APP_NAME = "kvmesh"
 WORKER_DEPLOYMENT_PREFIX = "kvmesh-"
+# Ingress slots beyond the admitted requests: refusals (answered at once) and the cheap routes
+# (/health, /metrics, /v1/models) need them under overload; Serve's proxy queues at most as
+# many again for a slot.
+INGRESS_SPARE_SLOTS = 256
 _SAMPLING_KEYS = (
     "max_tokens",
     "temperature",
@@ -91,6 +108,7 @@ class KvmeshServer:
     def __init__(self, config: dict[str, Any], workers: dict[str, Any]) -> None:
         self.config = ServeConfig.from_dict(config)
         self.backend = ClusterBackend(self.config, workers)
+        self.admission = Admission(self.config.admission_limit, self.config.retry_after_s)
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvmesh.cluster.metrics import ServeMetrics
@@ -102,21 +120,57 @@ class KvmeshServer:
             api_key=self.config.api_key,
             metrics=ServeMetrics(),
             max_request_bytes=self.config.max_request_bytes,
+            admission=self.admission,
         )
 
     async def generate(self, request: dict[str, Any]) -> Any:
-        """The Python handle's entry point; see the module docstring."""
+        """The Python handle's entry point; see the module docstring. Over the admission
+        limit it raises Serve's ``BackPressureError`` (429, ``retry_after_s``)."""
         req = parse_request(request)
         if request.get("stream"):
             return self._stream(req)
-        return completion_dict(await self.backend.generate(req))
+        self._admit()
+        try:
+            return completion_dict(await self.backend.generate(req))
+        finally:
+            self.admission.leave()
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        async for chunk in self.backend.stream(req):
-            yield chunk_dict(chunk)
+        # Admitted at the first chunk asked for, inside the generator: its ``finally`` then
+        # gives the place back however the stream ends.
+        self._admit()
+        try:
+            async for chunk in self.backend.stream(req):
+                yield chunk_dict(chunk)
+        finally:
+            self.admission.leave()
+
+    def _admit(self) -> None:
+        try:
+            self.admission.enter()
+        except Overloaded:
+            raise BackPressureError(
+                num_queued_requests=self.admission.admitted,
+                max_queued_requests=self.admission.limit or 0,
+                status_code=OVERLOADED_STATUS,
+                retry_after_s=self.admission.retry_after_s,
+            ) from None
 
     async def stats(self) -> dict[str, Any]:
         return await self.backend.stats()
+
+    async def ingress_stats(self) -> dict[str, Any]:
+        """This replica's admission (limit, admitted now, refused so far) and process (pid,
+        resident memory): for benchmarks and operators."""
+        import psutil
+
+        return {
+            "limit": self.admission.limit,
+            "admitted": self.admission.admitted,
+            "refused": self.admission.refused,
+            "pid": os.getpid(),
+            "rss_bytes": psutil.Process().memory_info().rss,
+        }
 
 
 def _worker_deployment(config: ServeConfig, role: str, count: int, most: int | None) -> Any:
@@ -132,6 +186,13 @@ def _worker_deployment(config: ServeConfig, role: str, count: int, most: int | N
     options: dict[str, Any] = {
         "name": f"{WORKER_DEPLOYMENT_PREFIX}{role}",
         "max_ongoing_requests": config.max_num_seqs * 4,
+        # Requests at one caller (an ingress replica's handle) not yet assigned a replica of
+        # this role; Serve refuses more with a BackPressureError, which the ingress answers
+        # 429. Serve counts a request as queued while its router is still choosing, so the
+        # bound is all that one ingress replica admits: a backstop that never refuses what
+        # admission let in.
+        "max_queued_requests": config.admission_limit,
+        "backpressure_config": _backpressure(config),
         "health_check_period_s": config.health_check_period_s,
         "health_check_timeout_s": config.health_check_period_s * 10,
         "graceful_shutdown_timeout_s": config.drain_timeout_s,
@@ -173,7 +234,7 @@ def _worker_bundle(config: ServeConfig) -> dict[str, float]:
     gpus = config.num_gpus_per_worker
     if gpus is None:
         gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
-    bundle = {"CPU": config.num_cpus_per_worker}
+    bundle = {**config.worker_resources, "CPU": config.num_cpus_per_worker}
     if gpus:
         bundle["GPU"] = gpus
     return bundle
@@ -191,10 +252,21 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         KvmeshServer,
         name="KvmeshServer",
         num_replicas=config.ingress_replicas,
-        max_ongoing_requests=1024,
-        ray_actor_options={"num_cpus": 0},  # the workers need the cores
+        # Admission refuses past admission_limit itself (OpenAI's body); Serve's own bounds
+        # sit above it so that they never refuse first.
+        max_ongoing_requests=config.admission_limit + INGRESS_SPARE_SLOTS,
+        max_queued_requests=INGRESS_SPARE_SLOTS,
+        backpressure_config=_backpressure(config),
+        # The workers need the cores.
+        ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress_resources)},
     )
     return ingress.bind(config.to_dict(), workers)
+
+
+def _backpressure(config: ServeConfig) -> BackpressureConfig:
+    """Serve's answer past a deployment's max_queued_requests: the admission's status and
+    Retry-After."""
+    return BackpressureConfig(status_code=OVERLOADED_STATUS, retry_after_s=config.retry_after_s)
 
 
 def deploy(config: ServeConfig) -> serve.handle.DeploymentHandle:

@@ -1,7 +1,8 @@
 """The OpenAPI schema, fuzzed: schemathesis generates requests from ``/openapi.json`` (valid
 ones, and ones that break the schema) for every route and runs them in-process (ASGI)
-against a LocalBackend on tiny-random. No answer may be a 5xx, and every answer must be one
-the schema documents (status, content type), in its documented shape."""
+against a LocalBackend on tiny-random, with admission as the Serve app has it. No answer may
+be a 5xx, and every answer must be one the schema documents (status, content type, headers),
+in its documented shape; a full server's 429 too. (bench/fuzz.py: >= 1,000 cases a route.)"""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
 
+from kvmesh.cluster.admission import Admission
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
 from tests.openai_helpers import MODEL
@@ -27,6 +30,7 @@ CHECKS = [
     not_a_server_error,
     status_code_conformance,
     content_type_conformance,
+    response_headers_conformance,
     response_schema_conformance,
 ]
 ROUTES = [
@@ -39,15 +43,19 @@ ROUTES = [
 
 
 @pytest.fixture(scope="module")
-def api_schema() -> Iterator[Any]:
+def backend() -> Iterator[LocalBackend]:
     # A short context: a generated request generates at most 64 tokens.
     backend = LocalBackend(
         model=MODEL, block_size=4, num_kv_blocks=64, max_model_len=64, progress=False
     )
-    try:
-        yield schemathesis.openapi.from_asgi("/openapi.json", build_api(backend, model_name=MODEL))
-    finally:
-        backend.shutdown()
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def api_schema(backend: LocalBackend) -> Any:
+    app = build_api(backend, model_name=MODEL, admission=Admission(64))
+    return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
 def test_every_route_is_fuzzed(api_schema: Any) -> None:
@@ -70,3 +78,21 @@ def test_route_conforms(api_schema: Any, method: str, path: str, mode: Generatio
         case.call_and_validate(checks=CHECKS)
 
     run()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_full_servers_refusals_conform(backend: LocalBackend, path: str) -> None:
+    """Every request to a full server is a 429 with the documented body and Retry-After."""
+    admission = Admission(1)
+    admission.enter()  # the one place is taken
+    app = build_api(backend, model_name=MODEL, admission=admission)
+    operation = schemathesis.openapi.from_asgi("/openapi.json", app)[path]["POST"]
+
+    @given(operation.as_strategy())
+    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+    def run(case: schemathesis.Case) -> None:
+        response = case.call_and_validate(checks=CHECKS)
+        assert response.status_code == 429 and response.headers["retry-after"] == ["1"]
+
+    run()
+    assert admission.refused >= 20

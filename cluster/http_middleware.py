@@ -1,0 +1,101 @@
+"""ASGI middleware of the HTTP API: the body limit (413) and request counting. Pure ASGI,
+not ``BaseHTTPMiddleware``, so streams and the disconnect that cancels a request pass
+through untouched. (Admission, the third, lives in ``admission.py``.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from kvmesh.cluster.metrics import ServeMetrics
+from kvmesh.cluster.protocol import error_body
+
+
+class LimitBody:
+    """Refuse a request body over ``max_bytes`` with a 413, from its Content-Length before
+    reading anything, or as soon as a chunked body passes the limit. What it admits it has
+    read whole, and hands on as one message; later ``receive`` calls (the disconnect that
+    cancels a request) go to the server as before."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before the body was in
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        whole: dict[str, Any] | None = {"type": "http.request", "body": b"".join(chunks)}
+        chunks.clear()
+
+        async def replay() -> dict[str, Any]:
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # then the disconnect, as from the server
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        body = error_body(
+            f"request body: larger than the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+def _content_length(scope: dict) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server refuses such a request before it reaches us
+    return None
+
+
+class CountRequests:
+    """Count requests by route template and status. A request answered before routing (a
+    refusal by admission) counts under its path when that is one of ``paths``."""
+
+    def __init__(self, app: Any, metrics: ServeMetrics, paths: Collection[str] = ()) -> None:
+        self.app, self.metrics, self.paths = app, metrics, frozenset(paths)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            if route is None:
+                route = scope.get("path") if scope.get("path") in self.paths else "unmatched"
+            self.metrics.observe_request(route, status)
