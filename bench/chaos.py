@@ -1,0 +1,186 @@
+"""The fault suite: what survives a lost worker, host, link, index, client, a flood of
+requests, broken transfers and garbage, on two hosts (tests/two_hosts.py) and one.
+
+One JSON line per scenario, each with ``scenario``, ``requests``, ``failed`` and ``wrong``
+(an output unlike the no-fault run's: greedy, so there must be none) plus its own figures:
+
+- ``pull_1gbit``, ``pull_10gbit``: smollm2-135m, a long prompt computed on host b's worker and
+  pulled across the shaped link by host a's (round robin): bandwidth against the rate, TTFT
+  pulled against computed and a local hit.
+- ``worker_killed``: a worker replica killed under mixed streaming / non-streaming load;
+  seconds until the index no longer lists it.
+- ``index_killed``: the index actor killed under load; seconds until every worker rejoined.
+- ``client_disconnects``: long streams closed by their clients; seconds until the workers
+  stopped them, blocks not freed.
+- ``soak``: mixed load for ``--soak-s`` with a worker replica or the index killed every
+  30 s: leases and pins back to 0, RSS and threads of the surviving processes flat.
+- ``host_lost``: host b's processes all killed under load, then host b started again:
+  seconds until the cluster serves on both hosts again (``heal_s``).
+- ``link_cut``: the link down for ``--cut-s`` under load, then up (Ray declares host b dead
+  meanwhile; it is started again as an autoscaler would).
+- ``transfer_faults``, ``overload``, ``fuzz``: single-host scenarios of their own benches.
+
+    sudo .venv/bin/python bench/chaos.py [--only pull_1gbit,worker_killed] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from chaos_driver import summary  # noqa: E402
+
+from tests.two_hosts import TwoHosts, kvmesh_serve  # noqa: E402
+
+TWO_HOST = ("pull_1gbit", "pull_10gbit", "worker_killed", "index_killed",
+            "client_disconnects", "soak", "host_lost", "link_cut")  # fmt: skip
+ONE_HOST = ("transfer_faults", "overload", "fuzz")
+
+
+def emit(row: dict[str, Any]) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def driver(hosts: TwoHosts, scenario: str, model: str, timeout: float = 900, **kw: Any) -> dict:
+    args = [scenario, json.dumps(kw)]
+    env = {"KVMESH_CLIENT_MODEL": model}
+    proc = hosts.popen(
+        [sys.executable, "-m", "bench.chaos_driver", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode:
+        Path(f"/tmp/kvmesh-chaos-{scenario}.err").write_text(err)  # the whole traceback
+        return {"scenario": scenario, "error": err.strip().splitlines()[-1:]}
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def host_fault(hosts: TwoHosts, name: str, url: str, n: int, tokens: int, cut_s: float) -> dict:
+    """Load from host a while host b dies (``host_lost``) or its link is cut for ``cut_s``
+    (``link_cut``); then host b is started again and the time until both hosts serve."""
+    # Fresh prompts per scenario: a worker holding them all would draw every request.
+    kw = {"base_url": url, "n": n, "max_tokens": tokens, "salt": TWO_HOST.index(name)}
+    ref = driver(hosts, "load", "tiny-random", **kw)
+    proc = hosts.popen(
+        [sys.executable, "-m", "bench.chaos_driver", "load", json.dumps(kw)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()  # {"started": ...}
+    time.sleep(ref["seconds"] / 4)
+    if name == "host_lost":
+        hosts.kill_host("b")
+    else:
+        hosts.link(False)
+        time.sleep(cut_s)
+        hosts.link(True)
+    out, _ = proc.communicate(timeout=900)
+    run = json.loads(out.strip().splitlines()[-1])
+    start = time.monotonic()
+    # After a short cut host b may still be in the cluster; a lost host (or one Ray declared
+    # dead meanwhile) is started again, as an autoscaler would.
+    restarted = name == "host_lost" or not _serves_on_both(hosts, url, 30)
+    if restarted:
+        hosts.kill_host("b")
+        hosts.start_host("b")
+    healed = round(time.monotonic() - start, 1) if _serves_on_both(hosts, url, 300) else None
+    workers = len({r["kvmesh"]["worker"] for r in ref["results"] if r["ok"]})
+    cut = cut_s if name == "link_cut" else None
+    return summary(
+        name, ref, run, workers_used=workers, heal_s=healed, restarted=restarted, cut_s=cut
+    )
+
+
+def _serves_on_both(hosts: TwoHosts, url: str, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        done = hosts.client("load", base_url=url, texts=["a", "b", "c", "d"], max_tokens=2)
+        if len({r["kvmesh"]["worker"] for r in done["results"] if r["ok"]}) == 2:
+            return True
+        time.sleep(2)
+    return False
+
+
+def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> None:
+    with TwoHosts(cpus=(1, 1)) as hosts:
+        a_only = ["--ingress-resources", json.dumps({"host_a": 1})]
+        pulls = [s for s in ("pull_1gbit", "pull_10gbit") if s in only]
+        if pulls:
+            flags = ["--workers", "2", "--num-cpus-per-worker", "1", "--router", "round_robin",
+                     "--kv-cache-memory", "512MiB", *a_only]  # fmt: skip
+            model = "smollm2-135m"
+            with kvmesh_serve(hosts, flags, model=model) as url:
+                for s in pulls:
+                    rate = s.removeprefix("pull_")
+                    hosts.shape(rate)
+                    words = 150 if quick else 220  # smollm2: 220 words are about 2,050 tokens
+                    emit(driver(hosts, "pull", model, base_url=url,
+                                dev=hosts.hosts["a"].dev, rate=rate, words=words))  # fmt: skip
+                hosts.shape(None)
+        rest = [s for s in TWO_HOST[2:] if s in only]
+        if not rest:
+            return
+        flags = ["--workers", "2", "--num-cpus-per-worker", "1", "--block-size", "16",
+                 "--kv-cache-memory", "32MiB", *a_only]  # fmt: skip
+        n, tokens = (16, 200) if quick else (64, 400)
+        with kvmesh_serve(hosts, flags) as url:
+            for s in ("worker_killed", "index_killed"):
+                if s in only:
+                    emit(driver(hosts, s, "tiny-random", base_url=url, n=n, max_tokens=tokens))
+            if "client_disconnects" in only:
+                emit(driver(hosts, "client_disconnects", "tiny-random", base_url=url,
+                            streams=10, max_tokens=2000))  # fmt: skip
+            if "soak" in only:
+                kw = {"seconds": soak_s, "n": n // 2, "max_tokens": tokens, "kill_every_s": 30.0}
+                emit(driver(hosts, "soak", "tiny-random", timeout=soak_s + 900, base_url=url, **kw))
+            for s in ("host_lost", "link_cut"):
+                if s in only:
+                    emit(host_fault(hosts, s, url, n, tokens, cut_s))
+
+
+def one_host_rows(only: set[str], quick: bool) -> None:
+    if "transfer_faults" in only:
+        from transfer_faults import run_transfer_faults
+
+        emit(run_transfer_faults(**({"pulls": 200} if quick else {})))
+    if "overload" in only:
+        from overload import run_overload
+
+        emit(run_overload(**({"duration_s": 15.0} if quick else {})))
+    if "fuzz" in only:
+        from fuzz import run_fuzz
+
+        emit(run_fuzz(**({"cases_per_route": 100} if quick else {})))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", help="comma-separated scenarios (default: all)")
+    p.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
+    p.add_argument("--cut-s", type=float, default=30.0, help="link_cut: seconds down")
+    p.add_argument("--soak-s", type=float, default=600.0, help="soak: seconds of load")
+    args = p.parse_args()
+    only = set(args.only.split(",")) if args.only else set(TWO_HOST + ONE_HOST)
+    unknown = only - set(TWO_HOST + ONE_HOST)
+    if unknown:
+        p.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    soak_s = min(args.soak_s, 60.0) if args.quick else args.soak_s
+    two_host_rows(only, args.quick, args.cut_s, soak_s)
+    one_host_rows(only, args.quick)
+
+
+if __name__ == "__main__":
+    main()

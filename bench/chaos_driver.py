@@ -1,0 +1,274 @@
+"""The scenarios of bench/chaos.py that run inside host a of the two-host harness.
+
+``python -m bench.chaos_driver SCENARIO JSON`` (cwd: the repository, environment from
+``TwoHosts.env``) runs one scenario against the `kvmesh serve` that chaos.py started and
+prints its figures as one JSON line. Requests go over HTTP with the official client
+(tests/two_hosts_client.py); faults inside Ray (a worker replica, the index actor) are
+injected from here through a Ray driver joined to the cluster; faults of a whole host or of
+the link are chaos.py's, timed by the ``{"started": ...}`` line ``load`` prints first.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from kvmesh.cluster.serve_app import APP_NAME
+from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
+from tests.serve_helpers import kill_worker
+from tests.two_hosts_client import MODEL, complete, link_bytes, load, prompt
+
+SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
+
+
+def stats() -> dict[str, Any]:
+    return serve.get_app_handle(APP_NAME).stats.remote().result(timeout_s=30)
+
+
+def texts(n: int, salt: int) -> list[str]:
+    return [f"{SHARED} {prompt(12, salt=salt * 1000 + i)}" for i in range(n)]
+
+
+def summary(name: str, ref: dict, run: dict, **figures: Any) -> dict[str, Any]:
+    """The common columns: requests, failed, wrong (an output unlike the no-fault run's)."""
+    results = run["results"]
+    good = [r for r in results if r["ok"]]
+    wrong = sum(
+        1 for r, want in zip(results, ref["results"], strict=True) if r["ok"]
+        and r["text"] != want["text"]
+    )  # fmt: skip
+    return {
+        "scenario": name,
+        "requests": len(results),
+        "failed": len(results) - len(good),
+        "wrong": wrong,
+        "migrations": sum(r["kvmesh"]["migrations"] for r in good),
+        "seconds": run["seconds"],
+        "reference_seconds": ref["seconds"],
+        **figures,
+    }
+
+
+def pull(base_url: str, dev: str, rate: str, words: int) -> dict[str, Any]:
+    """A long prompt computed on one worker, then pulled across the link by the other
+    (round robin); bandwidth from the connector's own transfer time."""
+    text = prompt(words, salt=int(time.time()) % 100000)
+    first = complete(base_url, text, 1)
+    before, bytes_before = stats(), link_bytes(dev)
+    second = complete(base_url, text, 1)
+    after = stats()
+    hit = complete(base_url, text, 1)  # round robin: back on the first worker, a local hit
+    pulled_bytes = after["pull_bytes"] - before["pull_bytes"]
+    pull_s = after["pull_s"] - before["pull_s"]
+    rate_bps = _bits(rate)
+    ok = first["ok"] and second["ok"] and hit["ok"]
+    kv = [r.get("kvmesh") or {} for r in (first, second, hit)]
+    return {
+        "scenario": f"pull_{rate}",
+        "requests": 3,
+        "failed": 3 - sum(r["ok"] for r in (first, second, hit)),
+        "wrong": int(ok and not first["text"] == second["text"] == hit["text"]),
+        "prompt_tokens": kv[0].get("computed_tokens"),
+        "pulled_tokens": kv[1].get("pulled_tokens"),
+        "pulled_mb": round(pulled_bytes / 1e6, 1),
+        "link_mb": round((link_bytes(dev) - bytes_before) / 1e6, 1),
+        "pull_s": round(pull_s, 3),
+        "gbps": round(pulled_bytes * 8 / pull_s / 1e9, 3) if pull_s else None,
+        "share_of_rate": round(pulled_bytes * 8 / pull_s / rate_bps, 3) if pull_s else None,
+        "ttft_computed_ms": kv[0].get("ttft_ms"),
+        "ttft_pulled_ms": kv[1].get("ttft_ms"),
+        "ttft_local_hit_ms": kv[2].get("ttft_ms"),
+    }
+
+
+def _bits(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, mult in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * mult
+    raise ValueError(f"rate: use kbit, mbit or gbit, got {rate!r}")
+
+
+def run_load(base_url: str, n: int, max_tokens: int, salt: int, fault: Any = None) -> dict:
+    """``n`` mixed requests; ``fault`` (if any) runs in a thread once they are under way."""
+    if fault is not None:
+        threading.Timer(1.0, fault).start()
+    return load(base_url, texts(n, salt), max_tokens, concurrency=n)
+
+
+def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
+    ref = run_load(base_url, n, max_tokens, salt=1)
+    killed: dict[str, Any] = {}
+
+    def fault() -> None:
+        busy = [w for w, ld in stats()["workers"].items() if ld["running"]]
+        killed["worker"] = busy[0]
+        killed["at"] = time.monotonic()
+        kill_worker(busy[0])
+        while killed["worker"] in stats().get("workers", {}):
+            time.sleep(0.05)
+        killed["purged_s"] = round(time.monotonic() - killed["at"], 2)
+
+    run = run_load(base_url, n, max_tokens, salt=1, fault=fault)
+    _wait_for(lambda: "purged_s" in killed, 60)
+    return summary("worker_killed", ref, run, index_purged_s=killed.get("purged_s"))
+
+
+def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
+    ref = run_load(base_url, n, max_tokens, salt=2)
+    done: dict[str, Any] = {}
+
+    def fault() -> None:
+        names = [
+            a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(ACTOR_NAME_PREFIX)
+        ]  # fmt: skip
+        for a in names:
+            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
+        at = time.monotonic()
+        want = len(stats().get("workers", {})) or 2
+        while len(stats().get("workers", {})) < want:
+            time.sleep(0.1)
+        done["rejoined_s"] = round(time.monotonic() - at, 2)
+
+    run = run_load(base_url, n, max_tokens, salt=2, fault=fault)
+    _wait_for(lambda: "rejoined_s" in done, 60)
+    return summary("index_killed", ref, run, workers_rejoined_s=done.get("rejoined_s"))
+
+
+def client_disconnects(base_url: str, streams: int, max_tokens: int) -> dict[str, Any]:
+    """``streams`` long streams, each closed by its client after a few chunks: the workers
+    must stop them and free their blocks."""
+    import openai
+
+    free_before = {w: ld["free_blocks"] for w, ld in stats()["workers"].items()}
+    c = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    opened = []
+    for i in range(streams):
+        s = c.completions.create(
+            model=MODEL, prompt=prompt(3, salt=9000 + i), max_tokens=max_tokens,
+            temperature=0, stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(s))
+        opened.append(s)
+    for s in opened:
+        s.close()
+    closed = time.monotonic()
+    _wait_for(lambda: all(ld["running"] == 0 for ld in stats()["workers"].values()), 60)
+    stopped_s = time.monotonic() - closed
+    loads = stats()["workers"]
+    return {
+        "scenario": "client_disconnects",
+        "requests": streams,
+        "failed": 0,
+        "wrong": 0,
+        "stopped_s": round(stopped_s, 2),
+        "blocks_not_freed": sum(max(0, free_before[w] - ld["free_blocks"])
+                                for w, ld in loads.items() if w in free_before),
+    }  # fmt: skip
+
+
+def _index(timeout_s: float = 60.0) -> Any:
+    """The index actor (waiting while a killed one is being replaced)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        names = [
+            a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(ACTOR_NAME_PREFIX)
+        ]  # fmt: skip
+        if names or time.monotonic() > deadline:
+            return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+        time.sleep(0.2)
+
+
+def _processes() -> dict[str, Any]:
+    """Worker name -> its engine actor's handle, plus the ingress replica's, from the index
+    and Ray's named actors."""
+    handles = {w: m["handle"] for w, m in ray.get(_index().workers.remote()).items()}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#KvmeshServer#"):
+            handles["ingress"] = ray.get_actor(a["name"], namespace=a["namespace"])
+    return handles
+
+
+def _footprint(handle: Any) -> dict[str, float]:
+    """RSS (MB) and threads of an actor's process, measured inside it."""
+
+    def measure(_self: Any) -> dict[str, float]:
+        import psutil
+
+        proc = psutil.Process()
+        return {"rss_mb": proc.memory_info().rss / 1e6, "threads": proc.num_threads()}
+
+    return ray.get(handle.__ray_call__.remote(measure), timeout=30)
+
+
+def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: float) -> dict:
+    """Mixed load for ``seconds`` with a fault every ``kill_every_s`` (a worker replica or the
+    index, in turn; the first worker is never killed so its process can be compared): no
+    request lost, leases and pins back to 0, RSS and threads of the survivors flat."""
+    ref = run_load(base_url, n, max_tokens, salt=3)
+    run_load(base_url, n, max_tokens, salt=3)  # warm: the pools hold what they will hold
+    survivor = sorted(w for w in _processes() if w != "ingress")[0]
+    watched = {k: h for k, h in _processes().items() if k in (survivor, "ingress")}
+    before = {k: _footprint(h) for k, h in watched.items()}
+    runs, faults = [], 0
+    end = time.monotonic() + seconds
+    next_fault = time.monotonic() + kill_every_s
+    while time.monotonic() < end:
+        fault = None
+        if time.monotonic() >= next_fault:
+            faults += 1
+            next_fault += kill_every_s
+            victims = [w for w in stats()["workers"] if w != survivor]
+            if faults % 2 and victims:
+                fault = lambda v=victims[0]: kill_worker(v)  # noqa: E731
+            else:
+                fault = lambda: ray.kill(_index(), no_restart=False)  # noqa: E731
+        runs.append(run_load(base_url, n, max_tokens, salt=3, fault=fault))
+    _wait_for(lambda: len(stats().get("workers", {})) >= 2, 120)
+    time.sleep(5.0)  # leases of the last pulls end; stats settle
+    after = {k: _footprint(h) for k, h in watched.items()}
+    workers = _processes()
+    merged = {"results": [r for run in runs for r in run["results"]], "seconds": 0.0}
+    ref_all = {"results": ref["results"] * len(runs), "seconds": ref["seconds"]}
+    return summary(
+        "soak", ref_all, merged,
+        faults=faults,
+        leases=sum(ray.get(h.num_leases.remote()) for k, h in workers.items() if k != "ingress"),
+        pins=sum(ray.get(h.num_pinned.remote()) for k, h in workers.items() if k != "ingress"),
+        rss_growth={k: round(after[k]["rss_mb"] / before[k]["rss_mb"] - 1, 3) for k in before},
+        threads={k: [before[k]["threads"], after[k]["threads"]] for k in before},
+    )  # fmt: skip
+
+
+def load_only(base_url: str, n: int, max_tokens: int, salt: int) -> dict[str, Any]:
+    """Load for a fault chaos.py injects (a host, the link): prints a start line first."""
+    print(json.dumps({"started": time.time()}), flush=True)
+    return load(base_url, texts(n, salt), max_tokens, concurrency=n)
+
+
+def _wait_for(cond: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+SCENARIOS = {
+    "pull": pull,
+    "worker_killed": worker_killed,
+    "index_killed": index_killed,
+    "client_disconnects": client_disconnects,
+    "load": load_only,
+    "soak": soak,
+}
+
+if __name__ == "__main__":
+    ray.init(log_to_driver=False)  # RAY_ADDRESS: the harness's head
+    print(json.dumps(SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2]))), flush=True)

@@ -1,0 +1,112 @@
+"""The client side of the two-host scenarios: runs inside a host's network namespace.
+
+``python -m tests.two_hosts_client COMMAND JSON`` runs one command with the JSON object as its
+keyword arguments and prints its result as one JSON line (``TwoHosts.run_python`` reads it).
+Requests go through the official ``openai`` client to ``kvmesh serve``'s HTTP API; the link's
+byte counters are read from sysfs, which inside ``ip netns exec`` shows the host's own devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+
+# The served model's name: tiny-random in tests; bench/chaos.py sets another for its run.
+MODEL = os.environ.get("KVMESH_CLIENT_MODEL", "tiny-random")
+
+
+def client(base_url: str, timeout: float = 120.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=timeout, max_retries=0)
+
+
+def link_bytes(dev: str) -> int:
+    stats = Path("/sys/class/net", dev, "statistics")
+    return sum(int((stats / f).read_text()) for f in ("rx_bytes", "tx_bytes"))
+
+
+def prompt(n_words: int, salt: int = 0) -> str:
+    return " ".join(f"w{salt}x{i}" for i in range(n_words))
+
+
+def complete(
+    base_url: str, text: str, max_tokens: int, stream: bool = False, model: str = MODEL
+) -> dict[str, Any]:
+    """One greedy completion: its text, its ``kvmesh`` object (or an error's class and HTTP
+    status, never raised)."""
+    body = {"ignore_eos": True}
+    try:
+        c = client(base_url)
+        if not stream:
+            r = c.completions.create(
+                model=model, prompt=text, max_tokens=max_tokens, temperature=0, extra_body=body
+            )
+            return {"ok": True, "text": r.choices[0].text, "kvmesh": r.model_extra["kvmesh"]}
+        parts, kv = [], None
+        for chunk in c.completions.create(
+            model=model,
+            prompt=text,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body=body,
+        ):
+            if chunk.choices:
+                parts.append(chunk.choices[0].text)
+            kv = (chunk.model_extra or {}).get("kvmesh", kv)
+        return {"ok": True, "text": "".join(parts), "kvmesh": kv}
+    except openai.APIStatusError as e:
+        return {"ok": False, "error": type(e).__name__, "status": e.status_code}
+    except (openai.APIError, httpx.HTTPError) as e:
+        return {"ok": False, "error": type(e).__name__}
+
+
+def wait_ready(base_url: str, timeout: float = 240.0, model: str = MODEL) -> dict[str, Any]:
+    """Until a completion succeeds (the app deployed and a worker answers)."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        last = complete(base_url, "hello", 2, model=model)
+        if last["ok"]:
+            return {"ready": True, "after_s": round(timeout - (deadline - time.monotonic()), 1)}
+        time.sleep(1.0)
+    return {"ready": False, "last": last}
+
+
+def pull(base_url: str, dev: str, words: int, max_tokens: int = 4) -> dict[str, Any]:
+    """The same prompt twice (round robin puts them on two workers): the second pulls. Link
+    bytes counted around each request."""
+    text = prompt(words, salt=int(time.time() * 1000) % 100000)
+    out = []
+    for _ in range(2):
+        before, t = link_bytes(dev), time.perf_counter()
+        res = complete(base_url, text, max_tokens)
+        res["seconds"] = time.perf_counter() - t
+        res["link_bytes"] = link_bytes(dev) - before
+        out.append(res)
+    return {"requests": out}
+
+
+def load(base_url: str, texts: list[str], max_tokens: int, concurrency: int = 16) -> dict:
+    """Every text once, greedy, every other one streamed; results in order."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [
+            pool.submit(complete, base_url, t, max_tokens, i % 2 == 1) for i, t in enumerate(texts)
+        ]
+        results = [f.result() for f in futures]
+    return {"results": results, "seconds": round(time.perf_counter() - start, 3)}
+
+
+COMMANDS = {"wait_ready": wait_ready, "pull": pull, "load": load}
+
+if __name__ == "__main__":
+    result = COMMANDS[sys.argv[1]](**json.loads(sys.argv[2]))
+    print(json.dumps(result), flush=True)
