@@ -148,19 +148,25 @@ def test_worker_keeps_streaming_while_a_load_waits(worker: Worker, reference: di
         for _ in worker.stream(OTHER, LONG):
             times.append(time.monotonic())
 
-    streamer = threading.Thread(target=stream_other)
+    # Daemon threads, and the gate opened whatever happens: a failed check must not leave the
+    # test process waiting for them at exit.
+    streamer = threading.Thread(target=stream_other, daemon=True)
     streamer.start()
-    assert wait_until(lambda: len(times) >= 3, 30, 0.005)
     result: list[RequestOutput] = []
-    puller = threading.Thread(target=lambda: result.append(worker.generate(PREFIX, GREEDY)))
-    puller.start()
-    assert wait_until(lambda: worker.load()["loading"] == 1, 30, 0.005)
-    start = time.monotonic()
-    time.sleep(0.5)
-    during = [t for t in times if t > start]
-    assert worker.load()["loading"] == 1  # the load was in flight the whole time
-    assert len(during) >= 5, f"{len(during)} tokens in 0.5 s while the load waited"
-    conn.gate.set()
+    puller = threading.Thread(
+        target=lambda: result.append(worker.generate(PREFIX, GREEDY)), daemon=True
+    )
+    try:
+        assert wait_until(lambda: len(times) >= 3, 30, 0.005)
+        puller.start()
+        assert wait_until(lambda: worker.load()["loading"] == 1, 30, 0.005)
+        start = time.monotonic()
+        time.sleep(0.5)
+        during = [t for t in times if t > start]
+        assert worker.load()["loading"] == 1  # the load was in flight the whole time
+        assert len(during) >= 5, f"{len(during)} tokens in 0.5 s while the load waited"
+    finally:
+        conn.gate.set()
     puller.join(30)
     streamer.join(30)
     assert result[0].token_ids == reference[key(PREFIX, GREEDY)]
