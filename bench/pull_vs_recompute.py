@@ -49,7 +49,8 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory, progress=False)
-    conn = ClusterConnectorConfig(transport=args.transport, timeout_s=60.0)
+    # A long pull on a slow box; the lease must outlast the read (the config checks it).
+    conn = ClusterConnectorConfig(transport=args.transport, timeout_s=30.0, lease_s=30.0)
     cls = worker_actor_class(num_gpus=0, num_cpus=1)
     # Each worker gets both cores while it computes: the two never compute at the same time.
     a, b = (cls.remote(f"bench-{n}", cfg, conn, num_threads=2) for n in "ab")
