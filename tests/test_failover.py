@@ -56,6 +56,16 @@ def _stream(handle, body: dict, kill_after: int | None = None) -> tuple[list[dic
 def _healed(handle, n: int = 2) -> None:
     wait_for(lambda: running_replicas() == n, 60, f"{n} running worker replicas", every=0.5)
     wait_for(lambda: len(handle.stats.remote().result()["workers"]) == n, 30, "registration")
+    # Healed means traffic reaches the replacement: the ingress's router learns of a new
+    # replica through Serve's long poll, which can lag its registration.
+    probe = {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}  # no full block cached
+
+    def routed_to_all() -> bool:
+        return (
+            len({handle.generate.remote(probe).result()["kvmesh"]["worker"] for _ in range(n)}) == n
+        )
+
+    wait_for(routed_to_all, 30, "routing to every replica", every=0.5)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, SAMPLED], ids=["greedy", "seeded"])
