@@ -57,7 +57,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "drain-timeout-s": {"type": float},
     "worker-resources": {
         "type": lambda s: _json_object(s, "worker-resources"),
-        "help": 'Ray custom resources per worker, JSON, e.g. \'{"gpu_host": 1}\'',
+        "help": "Ray custom resources per worker, JSON, e.g. '{\"gpu_host\": 1}'",
     },
     "ingress-resources": {
         "type": lambda s: _json_object(s, "ingress-resources"),

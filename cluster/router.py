@@ -173,7 +173,17 @@ class Router:
         reach = max(local, held[0]) if self.connector else local
         duplicate = max(computing - reach, 0) if self.connector else 0
         moved = max(reach - max(local, held[1]), 0)
-        options.append(self._option(v, n, partial, local, reach, duplicate + moved, 0.0, None))
+        # Blocks this worker is still to receive count as local, but the request bringing
+        # them may reach the worker after this one (another ingress routed it): this one
+        # then waits for the same source and pulls or hits, instead of computing them.
+        source = None
+        if self.connector and local > min(v.depth, n):
+            deepest = max(others, key=lambda name: (min(others[name].depth, n), name), default=None)
+            if deepest is not None and min(others[deepest].depth, n) >= local:
+                source = deepest
+            elif computing >= local:
+                source = peer
+        options.append(self._option(v, n, partial, local, reach, duplicate + moved, 0.0, source))
         if self.connector and computing > reach:
             wait = others[peer].pending_wait_tokens * self.cost.t_token_s
             options.append(self._option(v, n, partial, local, computing, moved, wait, peer))

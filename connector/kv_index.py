@@ -26,6 +26,7 @@ import heapq
 import itertools
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -60,6 +61,9 @@ _COUNTERS += (
 
 # How long a pending entry lives unless dropped or stored first (an ingress may die holding it).
 DEFAULT_PENDING_TTL_S = 120.0
+# How long an ended pending entry still counts as a race: longer than a router's lookup and
+# claim take (two index calls), short enough to keep the record small.
+RACE_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,10 @@ class KvIndex:
         self._expiry: list[tuple[float, int]] = []  # heap of (expires, pending id)
         self._pending_ids = itertools.count(1)
         self._last_pending_id = 0  # route_lookup's version of the pending entries
+        # Entries ended lately, oldest first: (ended at, id, worker, first hash). One that
+        # ended between a router's lookup and its claim (its prefix stored meanwhile) raced
+        # the claim just as a live one does.
+        self._ended: deque[tuple[float, int, str, bytes]] = deque()
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -372,13 +380,19 @@ class KvIndex:
 
     def _raced(self, worker_id: str, first: bytes, seen: int) -> bool:
         """Another worker's entry for a prompt starting with block ``first``, newer than
-        ``seen``."""
+        ``seen``: live, or ended (stored, dropped) within ``RACE_WINDOW_S``."""
+        self._forget_ended()
         return any(
             i > seen and e.hashes and e.hashes[0] == first
             for w, entries in self._pending.items()
             if w != worker_id
             for i, e in entries.items()
-        )
+        ) or any(i > seen and w != worker_id and h == first for _, i, w, h in self._ended)
+
+    def _forget_ended(self) -> None:
+        horizon = self._clock() - RACE_WINDOW_S
+        while self._ended and self._ended[0][0] < horizon:
+            self._ended.popleft()
 
     def drop_pending(self, pending_id: int) -> bool:
         """Forget a pending entry; False if it is already gone (dropped, stored, expired)."""
@@ -390,6 +404,8 @@ class KvIndex:
         if not mine:
             del self._pending[worker_id]
         if entry.hashes:
+            self._ended.append((self._clock(), pending_id, worker_id, entry.hashes[0]))
+            self._forget_ended()
             last = self._pending_last[worker_id]
             ids = last[entry.hashes[-1]]
             ids.discard(pending_id)

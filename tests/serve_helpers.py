@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,12 +11,7 @@ from ray import serve
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def tiny_config(**kw: Any) -> ServeConfig:

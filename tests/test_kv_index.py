@@ -21,7 +21,7 @@ from kvmesh.connector.events import (
     decode_batch,
     encode_batch,
 )
-from kvmesh.connector.kv_index import KvIndex
+from kvmesh.connector.kv_index import RACE_WINDOW_S, KvIndex
 
 FP = "fp-test"
 
@@ -282,6 +282,23 @@ def test_a_raced_pending_entry_is_refused() -> None:
     fresh = idx.route_lookup(BASE)
     assert fresh["pending"]["a"]["depth"] == len(BASE)
     assert idx.add_pending("b", BASE, 10, seen=fresh["last_pending_id"]) is not None
+
+
+def test_an_entry_stored_between_lookup_and_claim_raced_it() -> None:
+    """The other router's prompt was recorded *and* computed (its entry ended by the Stored
+    event) between this router's lookup and its claim: still a race, or both workers compute
+    the prefix (a two-ingress burst did). Past ``RACE_WINDOW_S`` the ended entry is forgotten."""
+    clock = FakeClock()
+    idx = Index(FP, clock=clock)
+    for w in ("a", "b"):
+        idx.register(w, FP)
+    seen = idx.route_lookup(BASE)["last_pending_id"]
+    assert idx.add_pending("a", BASE, 10, seen=seen) is not None
+    assert idx.apply(batch("a", 0, Stored(tuple(BASE)))).status == "applied"
+    assert idx.pending() == {}  # stored: the entry ended
+    assert idx.add_pending("b", BASE, 10, seen=seen) is None
+    clock.now += RACE_WINDOW_S + 1
+    assert idx.add_pending("b", BASE, 10, seen=seen) is not None
 
 
 def test_pending_lookup_depth_wait_tokens_and_backlog() -> None:

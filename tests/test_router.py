@@ -68,6 +68,27 @@ def test_pending_prefix_is_local_to_its_worker_and_pullable_after_a_wait() -> No
     assert c.wait_for is None and c.compute_tokens == tokens
 
 
+def test_a_prefix_still_on_its_way_here_is_waited_for_at_its_source() -> None:
+    """b will hold the prefix once an earlier request pulls it from a (which computes it).
+    A request routed to b for its "local" blocks must wait for a as that earlier one does:
+    it may reach b first (another ingress sent the earlier one), and would compute it."""
+    r = Router("kv_aware", BS)
+    tokens = 40 * BS + 3
+    views = {
+        "a": WorkerView(queue=3, pending=40, pending_wait_tokens=640),
+        "b": WorkerView(pending=40, pending_wait_tokens=3),
+    }
+    c = r.choose(["a", "b"], views, tokens)
+    assert c.worker == "b" and c.local_blocks == 40 and c.wait_for == "a"
+    views["a"] = WorkerView(queue=3, depth=40)  # a holds it now: wait for (pull from) a
+    assert r.choose(["a", "b"], views, tokens).wait_for == "a"
+    # b computes the prefix itself (no peer has it): its scheduler makes this one wait.
+    alone = r.choose(["b"], {"b": WorkerView(pending=40, pending_wait_tokens=643)}, tokens)
+    assert alone.local_blocks == 40 and alone.wait_for is None
+    views["b"] = WorkerView(depth=40)  # already here: nothing to wait for
+    assert r.choose(["a", "b"], views, tokens).wait_for is None
+
+
 def test_a_burst_sharing_a_prefix_spreads_and_computes_it_once() -> None:
     """Eight prompts with a shared 35-block prefix arrive at once on four idle workers (what
     the frontend sees as it records each choice): the prefix is computed by one worker, the

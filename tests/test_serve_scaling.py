@@ -37,7 +37,8 @@ def test_two_ingress_replicas_compute_a_shared_prefix_once() -> None:
                 )
             )
         computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
-        assert computed == len(shared) + sum(len(p) - len(shared) for p in prompts)
+        expected = len(shared) + sum(len(p) - len(shared) for p in prompts)
+        assert computed == expected, [o["kvmesh"] for o in outs]
     finally:
         serve.shutdown()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from ray.autoscaler.tags import (
 
 from tests.local_provider.command_runner import MARKER_ENV, stop_node_processes
 from tests.local_provider.provider import NodeStore
+from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -33,20 +33,6 @@ PORT_NAMES = [
     *("gcs_port", "head_client_port", "serve_port"),
     *(f"{node}_{kind}" for node in ("head", "worker") for kind in _AGENT_PORTS),
 ]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free a moment ago (all held open while choosing)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def tail(path: Path, lines: int = 60) -> str:
@@ -156,8 +142,9 @@ class LocalCluster:
         return found
 
     def logs(self, *extra: Path) -> str:
+        # The caller's own logs last: a report that keeps only the end of long output keeps them.
         monitor = sorted(self.temp_dir.glob("session_*/logs/monitor*"))
-        return "\n".join(f"--- {p} ---\n{tail(p)}" for p in (self.log, *extra, *monitor))
+        return "\n".join(f"--- {p} ---\n{tail(p)}" for p in (*monitor, self.log, *extra))
 
     def cleanup(self, *, kill: bool) -> None:
         """Remove the temp dir; after a failure (``kill``) first stop what is left running."""
