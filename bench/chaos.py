@@ -7,6 +7,10 @@ One JSON line per scenario, each with ``scenario``, ``requests``, ``failed`` and
 - ``pull_1gbit``, ``pull_10gbit``: smollm2-135m, a long prompt computed on host b's worker and
   pulled across the shaped link by host a's (round robin): bandwidth against the rate, TTFT
   pulled against computed and a local hit.
+- ``slow_link``: kv_aware (tiny-random) with the link at 1 Gbit/s, then at 20 Mbit/s, where
+  pulling a 1,900-token prefix is slower than computing it: long prompts computed on one
+  worker, followers sent to the other pull or compute; the router must stop pulling once it
+  has measured the slow pulls (``pulled_second_half`` 0 at 20 Mbit/s).
 - ``worker_killed``: a worker replica killed under mixed streaming / non-streaming load;
   seconds until the index no longer lists it.
 - ``index_killed``: the index actor killed under load; seconds until every worker rejoined.
@@ -40,9 +44,10 @@ from chaos_driver import summary  # noqa: E402
 
 from tests.two_hosts import TwoHosts, kvmesh_serve  # noqa: E402
 
-TWO_HOST = ("pull_1gbit", "pull_10gbit", "worker_killed", "index_killed",
+TWO_HOST = ("pull_1gbit", "pull_10gbit", "slow_link", "worker_killed", "index_killed",
             "client_disconnects", "soak", "host_lost", "link_cut")  # fmt: skip
-ONE_HOST = ("transfer_faults", "overload", "fuzz")
+# slow_link: the link's rate in each phase, fast first (the costs learned there carry over).
+SLOW_LINK_RATES = ("1gbit", "20mbit")
 
 
 def emit(row: dict[str, Any]) -> None:
@@ -104,6 +109,22 @@ def host_fault(hosts: TwoHosts, name: str, url: str, n: int, tokens: int, cut_s:
     )
 
 
+def slow_link(hosts: TwoHosts, url: str, quick: bool) -> dict[str, Any]:
+    """kv_aware (tiny-random: a 1,900-token prefix is 1 MB of KV, computed in tens of ms)
+    with the link at each of ``SLOW_LINK_RATES``: where a pull is slower than computing,
+    the router learns it from the pulls' measured time and computes instead."""
+    row: dict[str, Any] = {"scenario": "slow_link", "requests": 0, "failed": 0, "wrong": 0}
+    kw = {"prefixes": 4 if quick else 8, "followers": 3, "words": 140, "max_tokens": 8}
+    for rate in SLOW_LINK_RATES:
+        hosts.shape(rate)
+        phase = driver(hosts, "slow_link", "tiny-random", base_url=url, **kw)
+        for k in ("requests", "failed", "wrong"):
+            row[k] += phase.pop(k, 0)
+        row[rate] = phase
+    hosts.shape(None)
+    return row
+
+
 def _serves_on_both(hosts: TwoHosts, url: str, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -137,6 +158,8 @@ def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> N
                  "--kv-cache-memory", "32MiB", *a_only]  # fmt: skip
         n, tokens = (16, 200) if quick else (64, 400)
         with kvmesh_serve(hosts, flags) as url:
+            if "slow_link" in only:
+                emit(slow_link(hosts, url, quick))
             for s in ("worker_killed", "index_killed"):
                 if s in only:
                     emit(driver(hosts, s, "tiny-random", base_url=url, n=n, max_tokens=tokens))
@@ -151,19 +174,26 @@ def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> N
                     emit(host_fault(hosts, s, url, n, tokens, cut_s))
 
 
+# The one-host rows: each bench's own command line (its defaults are the issue's sizes).
+ONE_HOST = {
+    "transfer_faults": (["bench/transfer_faults.py"], ["--pulls", "200"]),
+    "overload": (["bench/overload.py"], ["--duration", "15", "--probe", "10"]),
+    "fuzz": (["bench/fuzz.py", "--cluster"], ["--cases", "100"]),
+}
+
+
 def one_host_rows(only: set[str], quick: bool) -> None:
-    if "transfer_faults" in only:
-        from transfer_faults import run_transfer_faults
-
-        emit(run_transfer_faults(**({"pulls": 200} if quick else {})))
-    if "overload" in only:
-        from overload import run_overload
-
-        emit(run_overload(**({"duration_s": 15.0} if quick else {})))
-    if "fuzz" in only:
-        from fuzz import run_fuzz
-
-        emit(run_fuzz(**({"cases_per_route": 100} if quick else {})))
+    for scenario, (command, quick_args) in ONE_HOST.items():
+        if scenario not in only:
+            continue
+        args = [sys.executable, *command, *(quick_args if quick else [])]
+        proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not rows:
+            emit({"scenario": scenario, "error": f"exit {proc.returncode}",
+                  "stderr": proc.stderr[-2000:]})  # fmt: skip
+            continue
+        emit({**json.loads(rows[-1]), "scenario": scenario})
 
 
 def main() -> None:
@@ -173,8 +203,8 @@ def main() -> None:
     p.add_argument("--cut-s", type=float, default=30.0, help="link_cut: seconds down")
     p.add_argument("--soak-s", type=float, default=600.0, help="soak: seconds of load")
     args = p.parse_args()
-    only = set(args.only.split(",")) if args.only else set(TWO_HOST + ONE_HOST)
-    unknown = only - set(TWO_HOST + ONE_HOST)
+    only = set(args.only.split(",")) if args.only else {*TWO_HOST, *ONE_HOST}
+    unknown = only - {*TWO_HOST, *ONE_HOST}
     if unknown:
         p.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
     soak_s = min(args.soak_s, 60.0) if args.quick else args.soak_s

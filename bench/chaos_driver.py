@@ -87,6 +87,56 @@ def pull(base_url: str, dev: str, rate: str, words: int) -> dict[str, Any]:
     }
 
 
+def slow_link(base_url: str, prefixes: int, followers: int, words: int, max_tokens: int) -> dict:
+    """kv_aware on the link as it is shaped now: for each of ``prefixes`` fresh long prompts,
+    one request computes it, then ``followers`` requests sharing it arrive together. The
+    holder has one queue, so the router sends some to the other worker, which pulls the
+    prefix or computes it, as the learned costs say. Each follower's prompt is asked again
+    at the end (a local hit) and must give the same text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows, texts_seen = [], []
+    salt = int(time.time()) % 100000
+    with ThreadPoolExecutor(followers) as pool:
+        for i in range(prefixes):
+            head = prompt(words, salt=salt * 100 + i)
+            first = complete(base_url, head, 1)
+            tails = [prompt(4, salt=salt * 100 + i * 10 + j + 1) for j in range(followers)]
+            asks = [f"{head} {tail}" for tail in tails]
+            got = list(pool.map(lambda t: complete(base_url, t, max_tokens), asks))
+            holder = (first.get("kvmesh") or {}).get("worker")
+            for text, r in zip(asks, got, strict=True):
+                kv = r.get("kvmesh") or {}
+                moved = r["ok"] and kv.get("worker") != holder
+                rows.append({"ok": r["ok"], "moved": moved, "kv": kv, "prefix": i})
+                texts_seen.append((text, r.get("text")))
+            rows.append({"ok": first["ok"], "moved": False, "kv": first.get("kvmesh") or {}})
+    again = [complete(base_url, t, max_tokens) for t, _ in texts_seen]
+    wrong = sum(a["ok"] and a["text"] != t for a, (_, t) in zip(again, texts_seen, strict=True))
+    moved = [r for r in rows if r["moved"]]
+    pulled = [r for r in moved if r["kv"].get("pulled_tokens")]
+    computed = [r for r in moved if not r["kv"].get("pulled_tokens")]
+
+    def median_ttft(rs: list[dict]) -> float | None:
+        v = sorted(r["kv"]["ttft_ms"] for r in rs)
+        return v[len(v) // 2] if v else None
+
+    half = prefixes // 2
+    return {
+        "requests": len(rows) + len(again),
+        "failed": sum(not r["ok"] for r in rows) + sum(not a["ok"] for a in again),
+        "wrong": wrong,
+        "prompt_tokens": rows[-1]["kv"].get("computed_tokens"),
+        "moved": len(moved),
+        "moved_pulled": len(pulled),
+        "moved_computed": len(computed),
+        "pulled_first_half": sum(r["prefix"] < half for r in pulled),
+        "pulled_second_half": sum(r["prefix"] >= half for r in pulled),
+        "ttft_pulled_ms": median_ttft(pulled),
+        "ttft_computed_ms": median_ttft(computed),
+    }
+
+
 def _bits(rate: str) -> float:
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
     for unit, mult in units.items():
@@ -262,6 +312,7 @@ def _wait_for(cond: Any, timeout: float) -> None:
 
 SCENARIOS = {
     "pull": pull,
+    "slow_link": slow_link,
     "worker_killed": worker_killed,
     "index_killed": index_killed,
     "client_disconnects": client_disconnects,

@@ -60,6 +60,7 @@ class _Report:
     failures: list[str] = field(default_factory=list)
     slow: list[dict[str, Any]] = field(default_factory=list)
     hangs: int = 0
+    wrong: int = 0  # answers that broke a check (status, schema): counted in failed too
 
 
 def _route_cases(
@@ -106,6 +107,7 @@ def _route_cases(
             report.failures.append(f"{route}: {type(e).__name__}")
         except (Exception, FailureGroup) as e:  # failed checks (FailureGroup: several)
             failed += 1
+            report.wrong += 1
             report.failures.append(f"{route} {mode.value}: {str(e)[:400]}")
 
     @seed(rng_seed)
@@ -216,6 +218,7 @@ def run_fuzz(
         "scenario": "fuzz",
         "requests": sum(r["cases"] for r in by_route.values()) + len(hostile),
         "failed": failed,
+        "wrong": report.wrong,
         "cases_per_route": min(r["cases"] for r in by_route.values()),
         "by_route": by_route,
         "hostile": {name: h["status"] for name, h in hostile.items()},

@@ -61,14 +61,23 @@ class CostModel:
         queue_len: int,
         pull_s: float | None = None,
         backlog_tokens: int = 0,
+        read_blocks: int | None = None,
+        block_size: int = 0,
     ) -> None:
         """Fold one finished request's TTFT (as its worker measured it) into the estimates.
-        ``queue_len`` / ``backlog_tokens``: what was ahead of it on its worker when routed."""
+        ``queue_len`` / ``backlog_tokens``: what was ahead of it on its worker when routed.
+        ``pull_s``: its time in reads of ``read_blocks`` blocks (default ``pulled_blocks``).
+        Reads that failed count too, at what trying cost: their time plus computing the
+        blocks they did not bring (``block_size`` tokens each). A link too slow for the
+        read's timeout then teaches the router to compute, not to keep pulling in vain."""
         queue_part = queue_len * self.t_queue_s
-        if pulled_blocks and pull_s is not None:
-            self.t_pull_block_s = _ema(self.t_pull_block_s, pull_s / pulled_blocks)
+        read_blocks = pulled_blocks if read_blocks is None else read_blocks
+        if read_blocks and pull_s is not None:
+            failed_tokens = max(read_blocks - pulled_blocks, 0) * block_size
+            spent = pull_s + failed_tokens * self.t_token_s
+            self.t_pull_block_s = _ema(self.t_pull_block_s, spent / read_blocks)
             self.samples["pull"] += 1
-        pull_part = pulled_blocks * self.t_pull_block_s
+        pull_part = pulled_blocks * self.t_pull_block_s if pull_s is None else pull_s
         if computed_tokens:
             tokens = computed_tokens + backlog_tokens
             per_token = max(ttft_s - pull_part - queue_part, 0.0) / tokens
@@ -157,7 +166,8 @@ class Router:
         n: int,
         partial: int,
     ) -> list[_Option]:
-        """Serve now (pulling what peers hold), or wait for a peer's in-flight prefix."""
+        """Serve now (pulling what peers hold, or computing it), or wait for a peer's
+        in-flight prefix."""
         local = min(max(v.depth, v.pending), n)
         others = {name: p for name, p in views.items() if name != w}
         # Peers' depths, deepest first: beyond the second deepest, one peer alone holds them.
@@ -184,6 +194,8 @@ class Router:
             elif computing >= local:
                 source = peer
         options.append(self._option(v, n, partial, local, reach, duplicate + moved, 0.0, source))
+        if reach > local:  # or compute what peers hold: faster than pulling over a slow link
+            options.append(self._option(v, n, partial, local, local, duplicate + moved, 0.0, None))
         if self.connector and computing > reach:
             wait = others[peer].pending_wait_tokens * self.cost.t_token_s
             options.append(self._option(v, n, partial, local, computing, moved, wait, peer))

@@ -96,7 +96,7 @@ class WorkerDeployment:
         self.info: dict[str, Any] = ray.get(self.actor.ready.remote(), timeout=READY_TIMEOUT_S)
         self.index = get_index_actor(self.info["fingerprint"]) if self.config.connector else None
         self.cost = CostModel()
-        self._pull = (0.0, 0)  # connector's (pull seconds, pulled blocks) at the last sample
+        self._reads = (0.0, 0)  # the connector's (pull_s, read_blocks) at the last sample
         self._stats: dict[str, Any] = {}
         self._closed = False
         # Prefixes requests here are waiting for (from a peer), by their last block's hash.
@@ -115,6 +115,7 @@ class WorkerDeployment:
         elif plan is not None and plan.local_blocks:
             await self._wait_for_arrival(request.chain[: plan.local_blocks])
         queue = (plan.queue if plan is not None else 0) or 0
+        planned_pull = plan is not None and bool(plan.pull_blocks or plan.wait_for)
         gen = self.actor.generate_stream.remote(
             request.prompt_ids,
             request.params,
@@ -138,7 +139,7 @@ class WorkerDeployment:
                         await flushed
                 if delta.output is not None:
                     finished = True
-                    await self._observe(delta, queue)
+                    await self._observe(delta, queue, planned_pull)
                 yield delta
         except RayActorError:
             # The engine actor is gone: this replica can serve nothing more. Exit, so Serve
@@ -184,26 +185,37 @@ class WorkerDeployment:
                 except TimeoutError:
                     logger.warning("%s: a prefix never arrived; computing it", self.name)
 
-    async def _observe(self, delta: StreamDelta, queue: int) -> None:
-        """Fold a finished request's measured TTFT and pull time into this worker's costs."""
+    async def _observe(self, delta: StreamDelta, queue: int, planned_pull: bool) -> None:
+        """Fold a finished request's measured TTFT and pull time into this worker's costs.
+        The pull time is the connector's read time since the last sample: for a request
+        that pulled, or was meant to (its read may have failed, e.g. on a slow link)."""
         out = delta.output
         assert out is not None
         m = out.metrics
         if m.ttft_s is None:
             return
-        pull_s = None
+        pull_s, read_blocks = None, None
         blocks = m.num_pulled_tokens // self.config.block_size
-        if blocks:
+        if blocks or planned_pull:
             try:
                 stats = await self.actor.connector_stats.remote()
-                seconds, pulled = stats.get("pull_s", 0.0), int(stats.get("pulled_blocks", 0))
-                if pulled > self._pull[1]:
-                    pull_s = (seconds - self._pull[0]) / (pulled - self._pull[1]) * blocks
-                self._pull = (seconds, pulled)
+                seconds, read = stats.get("pull_s", 0.0), int(stats.get("read_blocks", 0))
+                if read > self._reads[1]:
+                    pull_s, read_blocks = seconds - self._reads[0], read - self._reads[1]
+                    if blocks:  # this request's share of the reads since the last sample
+                        pull_s, read_blocks = pull_s / read_blocks * blocks, blocks
+                self._reads = (seconds, read)
             except Exception as e:
                 logger.debug("connector stats unavailable: %s", e)
         self.cost.observe(
-            m.ttft_s, m.num_computed_tokens, blocks, queue, pull_s=pull_s, backlog_tokens=0
+            m.ttft_s,
+            m.num_computed_tokens,
+            blocks,
+            queue,
+            pull_s=pull_s,
+            backlog_tokens=0,
+            read_blocks=read_blocks,
+            block_size=self.config.block_size,
         )
 
     async def check_health(self) -> None:

@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from kvmesh.connector.nixl_transport import TransferInFlight
-from kvmesh.connector.transport import BlockTransport, TransferError
+from kvmesh.connector.transport import BlockTransport, TransferError, TransferInFlight
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.kv_connector import LoadResult, PullPlan
 
@@ -263,10 +262,13 @@ class PullLoader:
                 if len(remote_ids) != n:
                     raise TransferError(f"{holder} pinned {len(remote_ids)} blocks")
                 started = time.perf_counter()
-                nbytes = self.transport.read_blocks(
-                    holder, remote_ids, local_ids, self.config.timeout_s, lease_id
-                )
-                self.count("pull_s", time.perf_counter() - started)
+                try:
+                    nbytes = self.transport.read_blocks(
+                        holder, remote_ids, local_ids, self.config.timeout_s, lease_id
+                    )
+                finally:  # a failed read teaches the cost of pulling too (a slow link)
+                    self.count("pull_s", time.perf_counter() - started)
+                    self.count("read_blocks", n)
             finally:
                 handle.release.remote(lease_id)  # fire and forget; expiry covers a lost call
         except Exception as e:

@@ -124,7 +124,8 @@ class ClusterKvConnector(KvCacheConnector):
         self._publisher = EventPublisher(self.worker_id)
         self._held: set[BlockHash] = set()  # mirror of the pool's cached hashes, for snapshots
         self.stats: dict[str, float] = {
-            "pull_s": 0.0,  # time inside transport reads
+            "pull_s": 0.0,  # time inside transport reads, failed ones too
+            "read_blocks": 0,  # blocks those reads asked for
             "lookups": 0,  # lookup calls (the step thread's)
             "index_lookups": 0,  # of those and of loads, the ones that asked the index
             "stale_plans": 0,  # lookups whose plan named a holder that is not a known peer

@@ -40,8 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmesh.connector.nixl_transport import TransferInFlight
-from kvmesh.connector.transport import BlockTransport, PeerInfo, TransferError
+from kvmesh.connector.transport import BlockTransport, PeerInfo, TransferError, TransferInFlight
 
 logger = logging.getLogger(__name__)
 

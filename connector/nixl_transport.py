@@ -23,14 +23,14 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvmesh.connector.transport import BlockTransport, PeerInfo, TransferError
+from kvmesh.connector.transport import BlockTransport, PeerInfo, TransferError, TransferInFlight
 from kvmesh.workers.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -93,17 +93,6 @@ def _collapse_to_huge_pages(data: torch.Tensor) -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_COLLAPSE) == 0
-
-
-class TransferInFlight(TransferError):
-    """A read failed (timed out, or NIXL would not release it) and may still be running:
-    the local blocks may still be written. ``is_over()`` checks without waiting; once it
-    returns True the transfer's handle is released and nothing writes those blocks any more.
-    Until then they must not be reused."""
-
-    def __init__(self, message: str, is_over: Callable[[], bool]) -> None:
-        super().__init__(message)
-        self.is_over = is_over
 
 
 def _slab_descs(base: int, num_slabs: int, slab_nbytes: int, device_id: int) -> np.ndarray:

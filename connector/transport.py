@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -31,6 +31,17 @@ logger = logging.getLogger(__name__)
 class TransferError(Exception):
     """A pull failed (unknown peer, bad block id, peer gone, timeout, size mismatch). The
     caller frees the local blocks it passed and recomputes; their content is undefined."""
+
+
+class TransferInFlight(TransferError):
+    """A read failed (timed out, or NIXL would not release it) and may still be running:
+    the local blocks may still be written. ``is_over()`` checks without waiting; once it
+    returns True the transfer's handle is released and nothing writes those blocks any more.
+    Until then they must not be reused."""
+
+    def __init__(self, message: str, is_over: Callable[[], bool]) -> None:
+        super().__init__(message)
+        self.is_over = is_over
 
 
 class PeerRefused(ValueError):

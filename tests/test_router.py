@@ -117,6 +117,36 @@ def test_a_burst_sharing_a_prefix_spreads_and_computes_it_once() -> None:
     assert sum(1 for v in inflight.values() if v) >= 3
 
 
+def test_pulls_that_fail_on_a_slow_link_teach_the_router_to_compute() -> None:
+    """Pulls slower than computing: first reads that finish (0.5 s for 64 blocks, computing
+    them takes 0.2 s), then reads that fail after their 2 s timeout. The router learns from
+    both (a failed read costs its wait plus computing its blocks) and computes on the idle
+    worker instead of pulling; the wait is not mistaken for compute time."""
+    r = Router("kv_aware", BS)
+    tokens = 64 * BS + 5
+    views = {"b": WorkerView(queue=50, depth=64)}
+    assert r.choose(["a", "b"], views, tokens).pull_blocks == 64  # the prior: pulls are cheap
+    compute = dict(ttft_s=0.2, computed_tokens=tokens, pulled_blocks=0, queue_len=0)
+    for _ in range(60):
+        r.cost.observe(**compute)
+        r.cost.observe(ttft_s=0.501, computed_tokens=5, pulled_blocks=64, queue_len=0, pull_s=0.5)
+    assert r.cost.t_pull_block_s == pytest.approx(0.5 / 64, rel=0.01)
+    c = r.choose(["a", "b"], views, tokens)
+    assert c.worker == "a" and c.pull_blocks == 0 and c.compute_tokens == tokens
+
+    failed = Router("kv_aware", BS)
+    for _ in range(60):
+        failed.cost.observe(
+            ttft_s=2.2, computed_tokens=tokens, pulled_blocks=0, queue_len=0,
+            pull_s=2.0, read_blocks=64, block_size=BS,
+        )  # fmt: skip
+    assert failed.cost.t_token_s == pytest.approx(0.2 / tokens, rel=0.01)
+    per_block = (2.0 + 64 * BS * 0.2 / tokens) / 64
+    assert failed.cost.t_pull_block_s == pytest.approx(per_block, rel=0.01)
+    c = failed.choose(["a", "b"], views, tokens)
+    assert c.worker == "a" and c.pull_blocks == 0 and c.compute_tokens == tokens
+
+
 def test_cost_model_learns_from_observations() -> None:
     cost = CostModel()
     for _ in range(50):

@@ -19,9 +19,9 @@ import torch
 
 from kvmesh.connector.cluster_connector import ClusterConnectorConfig
 from kvmesh.connector.fault_transport import ENV_VAR, KINDS, FaultyTransport, TransferFaults
-from kvmesh.connector.nixl_transport import NixlTransport, TransferInFlight
+from kvmesh.connector.nixl_transport import NixlTransport
 from kvmesh.connector.ray_transport import RayTransport
-from kvmesh.connector.transport import TransferError, make_transport
+from kvmesh.connector.transport import TransferError, TransferInFlight, make_transport
 from kvmesh.workers.kv_cache import KVCache
 from tests.ray_fixtures import ray_session  # noqa: F401
 
