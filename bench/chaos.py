@@ -114,7 +114,7 @@ def slow_link(hosts: TwoHosts, url: str, quick: bool) -> dict[str, Any]:
     with the link at each of ``SLOW_LINK_RATES``: where a pull is slower than computing,
     the router learns it from the pulls' measured time and computes instead."""
     row: dict[str, Any] = {"scenario": "slow_link", "requests": 0, "failed": 0, "wrong": 0}
-    kw = {"prefixes": 4 if quick else 8, "followers": 3, "words": 140, "max_tokens": 8}
+    kw = {"prefixes": 4 if quick else 8, "followers": 6, "words": 140, "max_tokens": 64}
     for rate in SLOW_LINK_RATES:
         hosts.shape(rate)
         phase = driver(hosts, "slow_link", "tiny-random", base_url=url, **kw)
@@ -151,15 +151,18 @@ def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> N
                     emit(driver(hosts, "pull", model, base_url=url,
                                 dev=hosts.hosts["a"].dev, rate=rate, words=words))  # fmt: skip
                 hosts.shape(None)
-        rest = [s for s in TWO_HOST[2:] if s in only]
-        if not rest:
-            return
         flags = ["--workers", "2", "--num-cpus-per-worker", "1", "--block-size", "16",
                  "--kv-cache-memory", "32MiB", *a_only]  # fmt: skip
+        if "slow_link" in only:
+            # Two sequences per worker: followers of a prompt queue at its holder for real,
+            # so the router weighs moving them (a pull, or computing) against waiting.
+            with kvmesh_serve(hosts, [*flags, "--max-num-seqs", "2"]) as url:
+                emit(slow_link(hosts, url, quick))
+        rest = [s for s in TWO_HOST[3:] if s in only]
+        if not rest:
+            return
         n, tokens = (16, 200) if quick else (64, 400)
         with kvmesh_serve(hosts, flags) as url:
-            if "slow_link" in only:
-                emit(slow_link(hosts, url, quick))
             for s in ("worker_killed", "index_killed"):
                 if s in only:
                     emit(driver(hosts, s, "tiny-random", base_url=url, n=n, max_tokens=tokens))

@@ -132,8 +132,24 @@ def slow_link(base_url: str, prefixes: int, followers: int, words: int, max_toke
         "moved_computed": len(computed),
         "pulled_first_half": sum(r["prefix"] < half for r in pulled),
         "pulled_second_half": sum(r["prefix"] >= half for r in pulled),
+        # A pull of the few blocks a peer finished first is cheap on any link; a whole
+        # prefix over a slow one is what must stop.
+        "max_pull_tokens_second_half": max(
+            (r["kv"]["pulled_tokens"] for r in pulled if r["prefix"] >= half), default=0
+        ),
         "ttft_pulled_ms": median_ttft(pulled),
         "ttft_computed_ms": median_ttft(computed),
+        # Per prefix, each follower: "h" at the holder, "p" moved and pulled, "c" moved and
+        # computed; its TTFT in ms.
+        "placements": [
+            " ".join(
+                f"{'p' if r['kv'].get('pulled_tokens') else 'c' if r['moved'] else 'h'}"
+                f"{round(r['kv'].get('ttft_ms') or 0)}"
+                for r in rows
+                if r.get("prefix") == i
+            )
+            for i in range(prefixes)
+        ],
     }
 
 

@@ -116,14 +116,14 @@ class KvAwareRequestRouter(RequestRouter):
         for w, r in replicas.items():
             p = pending.get(w, {})
             # Serve's queue length counts what this router sent (and what a probe saw); the
-            # index's pending entries count every router's prompts not yet computed there,
-            # and the replica's own report (at most a second old) every running request.
-            stats = r.routing_stats or {}
-            queue = max(
-                self.replica_queue_len_cache.get(r.replica_id) or 0,
-                queued.get(w, 0),
-                int(stats.get("running", 0)) + int(stats.get("waiting", 0)),
-            )
+            # index's pending entries count every router's prompts not yet computed there.
+            # The replica's own report (running and waiting requests) is up to a second
+            # old: a burst that just finished there would still read as a queue, so it
+            # counts only when the index cannot answer.
+            queue = max(self.replica_queue_len_cache.get(r.replica_id) or 0, queued.get(w, 0))
+            if not info:
+                stats = r.routing_stats or {}
+                queue = max(queue, int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
             views[w] = WorkerView(
                 queue=queue,
                 backlog_tokens=backlog.get(w, 0),

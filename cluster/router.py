@@ -33,6 +33,9 @@ PRIOR_T_TOKEN_S = 2e-3
 PRIOR_T_PULL_BLOCK_S = 2e-4
 PRIOR_T_QUEUE_S = 0.05
 EMA = 0.2
+# A prefill this short measures a step's fixed cost (a batch's decodes, the sampler), not its
+# tokens: 14 tokens in a 7 ms step would teach 0.5 ms a token where 2,000 take 30 us each.
+MIN_LEARN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -63,34 +66,45 @@ class CostModel:
         backlog_tokens: int = 0,
         read_blocks: int | None = None,
         block_size: int = 0,
+        queue_s: float | None = None,
     ) -> None:
         """Fold one finished request's TTFT (as its worker measured it) into the estimates.
         ``queue_len`` / ``backlog_tokens``: what was ahead of it on its worker when routed.
         ``pull_s``: its time in reads of ``read_blocks`` blocks (default ``pulled_blocks``).
         Reads that failed count too, at what trying cost: their time plus computing the
         blocks they did not bring (``block_size`` tokens each). A link too slow for the
-        read's timeout then teaches the router to compute, not to keep pulling in vain."""
-        queue_part = queue_len * self.t_queue_s
+        read's timeout then teaches the router to compute, not to keep pulling in vain.
+        ``queue_s``: how long it waited to be scheduled, when the worker measured it: that
+        wait is the queue's, never the prompt's (a request that computed 10 tokens after
+        waiting 0.4 s for a free sequence slot must not teach 40 ms per token)."""
+        queue_part = queue_len * self.t_queue_s if queue_s is None else queue_s
         read_blocks = pulled_blocks if read_blocks is None else read_blocks
         if read_blocks and pull_s is not None:
             failed_tokens = max(read_blocks - pulled_blocks, 0) * block_size
             spent = pull_s + failed_tokens * self.t_token_s
-            self.t_pull_block_s = _ema(self.t_pull_block_s, spent / read_blocks)
+            self.t_pull_block_s = _ema(
+                self.t_pull_block_s, spent / read_blocks, self.samples["pull"]
+            )
             self.samples["pull"] += 1
         pull_part = pulled_blocks * self.t_pull_block_s if pull_s is None else pull_s
-        if computed_tokens:
+        if computed_tokens >= MIN_LEARN_TOKENS:
             tokens = computed_tokens + backlog_tokens
             per_token = max(ttft_s - pull_part - queue_part, 0.0) / tokens
-            self.t_token_s = _ema(self.t_token_s, per_token)
+            self.t_token_s = _ema(self.t_token_s, per_token, self.samples["token"])
             self.samples["token"] += 1
         if queue_len:
-            own = (computed_tokens + backlog_tokens) * self.t_token_s + pull_part
-            self.t_queue_s = _ema(self.t_queue_s, max(ttft_s - own, 0.0) / queue_len)
+            if queue_s is None:
+                own = (computed_tokens + backlog_tokens) * self.t_token_s + pull_part
+                queue_s = max(ttft_s - own, 0.0)
+            self.t_queue_s = _ema(self.t_queue_s, queue_s / queue_len, self.samples["queue"])
             self.samples["queue"] += 1
 
 
-def _ema(old: float, new: float) -> float:
-    return (1 - EMA) * old + EMA * new
+def _ema(old: float, new: float, seen: int) -> float:
+    """The moving average after ``seen`` earlier samples: their plain mean until there are
+    1 / EMA of them (the prior is dropped at the first), then exponential."""
+    weight = max(EMA, 1 / (seen + 1))
+    return (1 - weight) * old + weight * new
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,9 @@ class WorkerDeployment:
             backlog_tokens=0,
             read_blocks=read_blocks,
             block_size=self.config.block_size,
+            queue_s=m.first_scheduled_time - m.arrival_time
+            if m.first_scheduled_time is not None
+            else None,
         )
 
     async def check_health(self) -> None:

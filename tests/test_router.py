@@ -162,3 +162,12 @@ def test_cost_model_learns_from_observations() -> None:
         )
     assert cost.t_token_s == pytest.approx(1e-3, rel=1e-3)
     assert cost.samples["token"] == 100 and cost.samples["pull"] == 50
+    # The worker measured the wait for a free sequence slot: it is the queue's, not the
+    # prompt's (100 tokens computed after 0.4 s in line would teach 5 ms a token).
+    for _ in range(50):
+        cost.observe(ttft_s=0.5, computed_tokens=100, pulled_blocks=0, queue_len=2, queue_s=0.4)
+    assert cost.t_token_s == pytest.approx(1e-3, rel=1e-3)
+    assert cost.t_queue_s == pytest.approx(0.2, rel=1e-3)
+    # A few tokens in a step measure the step, not the tokens: no sample.
+    cost.observe(ttft_s=0.01, computed_tokens=10, pulled_blocks=0, queue_len=0)
+    assert cost.t_token_s == pytest.approx(1e-3, rel=1e-3) and cost.samples["token"] == 150

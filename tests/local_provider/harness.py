@@ -142,9 +142,13 @@ class LocalCluster:
         return found
 
     def logs(self, *extra: Path) -> str:
-        # The caller's own logs last: a report that keeps only the end of long output keeps them.
-        monitor = sorted(self.temp_dir.glob("session_*/logs/monitor*"))
-        return "\n".join(f"--- {p} ---\n{tail(p)}" for p in (*monitor, self.log, *extra))
+        # The caller's own logs first and last: a report that keeps only the start and the
+        # end of a long message keeps them either way.
+        ray = sorted(self.temp_dir.glob("session_*/logs/monitor*"))
+        ray += sorted(self.temp_dir.glob("session_*/logs/serve/controller_*.log"))
+        own = [f"--- {p} ---\n{tail(p, 25)}" for p in extra]
+        rest = [f"--- {p} ---\n{tail(p)}" for p in (*ray, self.log, *extra)]
+        return "\n".join([*own, *rest])
 
     def cleanup(self, *, kill: bool) -> None:
         """Remove the temp dir; after a failure (``kill``) first stop what is left running."""
