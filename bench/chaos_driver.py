@@ -5,7 +5,7 @@
 prints its figures as one JSON line. Requests go over HTTP with the official client
 (tests/two_hosts_client.py); faults inside Ray (a worker replica, the index actor) are
 injected from here through a Ray driver joined to the cluster; faults of a whole host or of
-the link are chaos.py's, timed by the ``{"started": ...}`` line ``load`` prints first.
+the link are chaos.py's, timed by the ``{"started": ...}`` line ``traffic`` prints first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ray import serve
 from kvmesh.cluster.serve_app import APP_NAME
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
 from tests.serve_helpers import kill_worker
-from tests.two_hosts_client import MODEL, complete, link_bytes, load, prompt
+from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
 
 SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
 
@@ -161,15 +161,15 @@ def _bits(rate: str) -> float:
     raise ValueError(f"rate: use kbit, mbit or gbit, got {rate!r}")
 
 
-def run_load(base_url: str, n: int, max_tokens: int, salt: int, fault: Any = None) -> dict:
+def run_traffic(base_url: str, n: int, max_tokens: int, salt: int, fault: Any = None) -> dict:
     """``n`` mixed requests; ``fault`` (if any) runs in a thread once they are under way."""
     if fault is not None:
         threading.Timer(1.0, fault).start()
-    return load(base_url, texts(n, salt), max_tokens, concurrency=n)
+    return traffic(base_url, texts(n, salt), max_tokens, concurrency=n)
 
 
 def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
-    ref = run_load(base_url, n, max_tokens, salt=1)
+    ref = run_traffic(base_url, n, max_tokens, salt=1)
     killed: dict[str, Any] = {}
 
     def fault() -> None:
@@ -181,13 +181,13 @@ def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
             time.sleep(0.05)
         killed["purged_s"] = round(time.monotonic() - killed["at"], 2)
 
-    run = run_load(base_url, n, max_tokens, salt=1, fault=fault)
+    run = run_traffic(base_url, n, max_tokens, salt=1, fault=fault)
     _wait_for(lambda: "purged_s" in killed, 60)
     return summary("worker_killed", ref, run, index_purged_s=killed.get("purged_s"))
 
 
 def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
-    ref = run_load(base_url, n, max_tokens, salt=2)
+    ref = run_traffic(base_url, n, max_tokens, salt=2)
     done: dict[str, Any] = {}
 
     def fault() -> None:
@@ -203,7 +203,7 @@ def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
             time.sleep(0.1)
         done["rejoined_s"] = round(time.monotonic() - at, 2)
 
-    run = run_load(base_url, n, max_tokens, salt=2, fault=fault)
+    run = run_traffic(base_url, n, max_tokens, salt=2, fault=fault)
     _wait_for(lambda: "rejoined_s" in done, 60)
     return summary("index_killed", ref, run, workers_rejoined_s=done.get("rejoined_s"))
 
@@ -228,7 +228,7 @@ def client_disconnects(base_url: str, streams: int, max_tokens: int) -> dict[str
     closed = time.monotonic()
     _wait_for(lambda: all(ld["running"] == 0 for ld in stats()["workers"].values()), 60)
     stopped_s = time.monotonic() - closed
-    loads = stats()["workers"]
+    occupancy = stats()["workers"]
     return {
         "scenario": "client_disconnects",
         "requests": streams,
@@ -236,20 +236,26 @@ def client_disconnects(base_url: str, streams: int, max_tokens: int) -> dict[str
         "wrong": 0,
         "stopped_s": round(stopped_s, 2),
         "blocks_not_freed": sum(max(0, free_before[w] - ld["free_blocks"])
-                                for w, ld in loads.items() if w in free_before),
+                                for w, ld in occupancy.items() if w in free_before),
     }  # fmt: skip
 
 
 def _index(timeout_s: float = 60.0) -> Any:
-    """The index actor (waiting while a killed one is being replaced)."""
+    """The serving app's index actor: the one with workers registered (an earlier app's, of
+    another model, may linger empty under its own name), waiting while a killed one is
+    being replaced and its workers rejoin."""
     deadline = time.monotonic() + timeout_s
     while True:
-        names = [
-            a for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(ACTOR_NAME_PREFIX)
-        ]  # fmt: skip
-        if names or time.monotonic() > deadline:
-            return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(ACTOR_NAME_PREFIX):
+                handle = ray.get_actor(a["name"], namespace=a["namespace"])
+                try:
+                    if ray.get(handle.workers.remote(), timeout=10):
+                        return handle
+                except (ray.exceptions.RayError, TimeoutError):
+                    pass  # being replaced
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no index actor with workers after {timeout_s} s")
         time.sleep(0.2)
 
 
@@ -279,8 +285,8 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
     """Mixed load for ``seconds`` with a fault every ``kill_every_s`` (a worker replica or the
     index, in turn; the first worker is never killed so its process can be compared): no
     request lost, leases and pins back to 0, RSS and threads of the survivors flat."""
-    ref = run_load(base_url, n, max_tokens, salt=3)
-    run_load(base_url, n, max_tokens, salt=3)  # warm: the pools hold what they will hold
+    ref = run_traffic(base_url, n, max_tokens, salt=3)
+    run_traffic(base_url, n, max_tokens, salt=3)  # warm: the pools hold what they will hold
     survivor = sorted(w for w in _processes() if w != "ingress")[0]
     watched = {k: h for k, h in _processes().items() if k in (survivor, "ingress")}
     before = {k: _footprint(h) for k, h in watched.items()}
@@ -297,7 +303,7 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
                 fault = lambda v=victims[0]: kill_worker(v)  # noqa: E731
             else:
                 fault = lambda: ray.kill(_index(), no_restart=False)  # noqa: E731
-        runs.append(run_load(base_url, n, max_tokens, salt=3, fault=fault))
+        runs.append(run_traffic(base_url, n, max_tokens, salt=3, fault=fault))
     _wait_for(lambda: len(stats().get("workers", {})) >= 2, 120)
     time.sleep(5.0)  # leases of the last pulls end; stats settle
     after = {k: _footprint(h) for k, h in watched.items()}
@@ -314,10 +320,10 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
     )  # fmt: skip
 
 
-def load_only(base_url: str, n: int, max_tokens: int, salt: int) -> dict[str, Any]:
+def traffic_only(base_url: str, n: int, max_tokens: int, salt: int) -> dict[str, Any]:
     """Load for a fault chaos.py injects (a host, the link): prints a start line first."""
     print(json.dumps({"started": time.time()}), flush=True)
-    return load(base_url, texts(n, salt), max_tokens, concurrency=n)
+    return traffic(base_url, texts(n, salt), max_tokens, concurrency=n)
 
 
 def _wait_for(cond: Any, timeout: float) -> None:
@@ -332,7 +338,7 @@ SCENARIOS = {
     "worker_killed": worker_killed,
     "index_killed": index_killed,
     "client_disconnects": client_disconnects,
-    "load": load_only,
+    "traffic": traffic_only,
     "soak": soak,
 }
 

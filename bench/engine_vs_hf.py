@@ -113,7 +113,7 @@ def main() -> None:
         "speedup": round(hf_wall / kv_wall, 2),
         "kvmesh_ttft_p50_s": round(statistics.median(ttfts), 3),
         "outputs_match": matches,
-        "kvmesh_cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outs),
+        "kvmesh_cached_prompt_tokens": sum(o.metrics.num_local_hit_tokens for o in outs),
         "single_kvmesh_prefill_tok_s": round(n_prompt / single_ttft, 1),
         "single_hf_prefill_tok_s": round(n_prompt / hf_prefill, 1),
         "single_kvmesh_decode_tok_s": round((args.new_tokens - 1) / (single_wall - single_ttft), 2),

@@ -54,7 +54,7 @@ def replay_computed(
         n_hit = len(hit.local_blocks) + hit.num_external_blocks
         alloc = kv.allocate_slots(req, req.num_tokens - n_hit * block_size, hit)
         assert alloc is not None
-        computed += req.num_tokens - alloc.num_computed_tokens
+        computed += req.num_tokens - alloc.num_kv_tokens
         kv.cache_blocks(req, req.num_tokens)
         for token in output[:-1]:  # the last token is sampled, never fed back
             req.append_output_token(token)

@@ -52,7 +52,7 @@ class KvSource:
         ttft = None if m.ttft_s is None else round(m.ttft_s * 1000, 2)
         return cls(
             worker,
-            m.num_cached_tokens,
+            m.num_local_hit_tokens,
             m.num_pulled_tokens,
             m.num_computed_tokens,
             ttft,

@@ -28,11 +28,11 @@ def run_demo(model: str = "smollm2-135m") -> None:
         rows.append((turn, out, m))
         print(f"\nuser> {turn}\nassistant> {out.text.strip()}")
         print(
-            f"  prompt {len(out.prompt_token_ids)} tokens: {m.num_cached_tokens} hit in the "
+            f"  prompt {len(out.prompt_token_ids)} tokens: {m.num_local_hit_tokens} hit in the "
             f"prefix cache, {m.num_computed_tokens} computed; TTFT {m.ttft_s * 1000:.0f} ms"
         )
     first, second = rows[0][2], rows[1][2]
     print(
-        f"\nThe follow-up reused {second.num_cached_tokens} prompt tokens of KV from the first "
+        f"\nThe follow-up reused {second.num_local_hit_tokens} prompt tokens of KV from the first "
         f"turn: TTFT {first.ttft_s * 1000:.0f} ms -> {second.ttft_s * 1000:.0f} ms."
     )

@@ -222,8 +222,8 @@ class ClusterBackend:
                 # A killed index is recreated by name (the workers rejoin it): look it up.
                 self.index = get_index_actor(self.info["fingerprint"])
         handles = {w: m["handle"] for w, m in workers.items() if m.get("handle") is not None}
-        loads = await asyncio.gather(
-            *(_within(h.load.remote()) for h in handles.values()), return_exceptions=True
+        occupancy = await asyncio.gather(
+            *(_within(h.occupancy.remote()) for h in handles.values()), return_exceptions=True
         )
         conns = await asyncio.gather(
             *(_within(h.connector_stats.remote()) for h in handles.values()),
@@ -232,7 +232,7 @@ class ClusterBackend:
         good = [c for c in conns if isinstance(c, dict)]
         return {
             "workers": {
-                w: ld for w, ld in zip(handles, loads, strict=True) if isinstance(ld, dict)
+                w: o for w, o in zip(handles, occupancy, strict=True) if isinstance(o, dict)
             },
             "index_blocks": index.get("blocks", 0),
             "pull_bytes": sum(c.get("pulled_bytes", 0) for c in good),

@@ -145,8 +145,8 @@ class LocalBackend:
     # -- observability ------------------------------------------------------------------------
 
     async def stats(self) -> dict[str, Any]:
-        load = await asyncio.to_thread(self.worker.load)  # waits for the step thread
-        return {"workers": {self.name: load}}
+        occupancy = await asyncio.to_thread(self.worker.occupancy)  # waits for the step thread
+        return {"workers": {self.name: occupancy}}
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -121,15 +121,17 @@ class KvAwareRequestRouter(RequestRouter):
             # old: a burst that just finished there would still read as a queue, so it
             # counts only when the index cannot answer.
             queue = max(self.replica_queue_len_cache.get(r.replica_id) or 0, queued.get(w, 0))
+            stats = r.routing_stats or {}
             if not info:
-                stats = r.routing_stats or {}
                 queue = max(queue, int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
+            free = stats.get("free_blocks")
             views[w] = WorkerView(
                 queue=queue,
                 backlog_tokens=backlog.get(w, 0),
                 depth=held.get(w, 0),
                 pending=p.get("depth", 0),
                 pending_wait_tokens=p.get("wait_tokens", 0),
+                free_blocks=int(free) if free is not None else None,
             )
         return views
 

@@ -47,6 +47,7 @@ class WorkerView:
     depth: int = 0  # leading blocks of this prompt it holds (from the index)
     pending: int = 0  # leading blocks of this prompt it is computing now
     pending_wait_tokens: int = 0  # its backlog up to and including that computation
+    free_blocks: int | None = None  # free in its pool, evictable ones included (None: unknown)
 
 
 @dataclass
@@ -156,11 +157,12 @@ class Router:
         if self.policy == "round_robin":
             return Choice(candidates[next(self._rr) % len(candidates)])
         empty = WorkerView()
-        if self.policy == "least_loaded":
-            return Choice(min(candidates, key=lambda w: (views.get(w, empty).queue, w)))
         # The last token is always computed, so only (n - 1) // block_size blocks can hit.
         n = max(num_prompt_tokens - 1, 0) // self.block_size
         partial = num_prompt_tokens - n * self.block_size
+        candidates = self._with_room(candidates, views, n)
+        if self.policy == "least_loaded":
+            return Choice(min(candidates, key=lambda w: (views.get(w, empty).queue, w)))
         best: tuple[tuple[float, int, str], str, _Option] | None = None
         for w in candidates:
             v = views.get(w, empty)
@@ -171,6 +173,22 @@ class Router:
         assert best is not None
         _, w, opt = best
         return Choice(w, opt.ttft, opt.local, opt.pull, opt.compute_tokens, opt.wait_for)
+
+    @staticmethod
+    def _with_room(
+        candidates: Sequence[str], views: Mapping[str, WorkerView], n: int
+    ) -> Sequence[str]:
+        """The candidates whose free pool takes this prompt's blocks beyond those they hold:
+        a worker whose pool peers pinned, or its own requests fill, would only queue it
+        (while the others have room). All of them when none has room or none is known."""
+        empty = WorkerView()
+
+        def room(w: str) -> bool:
+            v = views.get(w, empty)
+            return v.free_blocks is None or v.free_blocks >= n + 1 - min(v.depth, n)
+
+        fit = [w for w in candidates if room(w)]
+        return fit or candidates
 
     def _options(
         self,

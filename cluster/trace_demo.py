@@ -48,14 +48,14 @@ def run_trace(cfg: TraceConfig, out=print) -> dict[str, int]:
             assert alloc is not None, "the trace is sized to fit the pool"
             # "Compute" the rest: the KV of a block stands in as its hash.
             ids = manager.get_block_ids(req)
-            for i in range(alloc.num_computed_tokens // cfg.block_size, len(req.block_hashes)):
+            for i in range(alloc.num_kv_tokens // cfg.block_size, len(req.block_hashes)):
                 memory[ids[i]] = req.block_hashes[i]
-            req.num_computed_tokens = req.num_tokens
+            req.num_kv_tokens = req.num_tokens
             manager.cache_blocks(req, req.num_tokens)
             manager.free(req)
             manager.check_integrity()
             history.extend(rng.randrange(1000) for _ in range(cfg.answer_tokens))
-            computed_tokens = req.num_tokens - alloc.num_computed_tokens
+            computed_tokens = req.num_tokens - alloc.num_kv_tokens
             evicted = manager.pool.num_evictions - evicted_before
             out(
                 f"{req.request_id:>9} {req.num_tokens:>6} {alloc.num_local_hit_tokens:>6} "

@@ -231,12 +231,12 @@ class WorkerDeployment:
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the request router reads per replica (``RunningReplica.routing_stats``)."""
         try:
-            load = await asyncio.wait_for(self.actor.load.remote(), 5)
+            occupancy = await asyncio.wait_for(self.actor.occupancy.remote(), 5)
         except Exception:
-            load = {}
+            occupancy = {}
         c = self.cost
         self._stats = {
-            **load,
+            **occupancy,
             "t_token_s": c.t_token_s,
             "t_pull_block_s": c.t_pull_block_s,
             "t_queue_s": c.t_queue_s,

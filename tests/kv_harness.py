@@ -47,8 +47,8 @@ class KvHarness:
         alloc = self.manager.allocate_slots(req, req.num_tokens - hit, computed)
         if alloc is None:
             return None
-        req.num_computed_tokens = alloc.num_computed_tokens
-        self.compute(req, req.num_tokens - req.num_computed_tokens)
+        req.num_kv_tokens = alloc.num_kv_tokens
+        self.compute(req, req.num_tokens - req.num_kv_tokens)
         return alloc
 
     def decode(self, req: Request, token: int) -> bool:
@@ -60,7 +60,7 @@ class KvHarness:
         req.append_output_token(token)
         if self.manager.allocate_slots(req, 1) is None:
             self.manager.free(req)
-            req.num_computed_tokens = 0
+            req.num_kv_tokens = 0
             return False
         self.compute(req, 1)
         return True
@@ -69,10 +69,10 @@ class KvHarness:
         """Write KV for ``n`` tokens after the computed prefix, then register full blocks."""
         bs = self.manager.block_size
         ids = self.manager.get_block_ids(req)
-        end = req.num_computed_tokens + n
-        for i in range(req.num_computed_tokens // bs, end // bs):
+        end = req.num_kv_tokens + n
+        for i in range(req.num_kv_tokens // bs, end // bs):
             self.memory[ids[i]] = req.block_hashes[i]
-        req.num_computed_tokens = end
+        req.num_kv_tokens = end
         self.manager.cache_blocks(req, end)
 
     def finish(self, req: Request) -> None:
@@ -84,7 +84,7 @@ class KvHarness:
         bs = self.manager.block_size
         for req in self.requests.values():
             ids = self.manager.get_block_ids(req)
-            for i in range(req.num_computed_tokens // bs):
+            for i in range(req.num_kv_tokens // bs):
                 assert self.memory.get(ids[i]) == req.block_hashes[i], (
                     f"{req.request_id} block {i} (id {ids[i]}) holds the wrong KV"
                 )

@@ -159,11 +159,11 @@ def test_worker_keeps_streaming_while_a_load_waits(worker: Worker, reference: di
     try:
         assert wait_until(lambda: len(times) >= 3, 30, 0.005)
         puller.start()
-        assert wait_until(lambda: worker.load()["loading"] == 1, 30, 0.005)
+        assert wait_until(lambda: worker.occupancy()["loading"] == 1, 30, 0.005)
         start = time.monotonic()
         time.sleep(0.5)
         during = [t for t in times if t > start]
-        assert worker.load()["loading"] == 1  # the load was in flight the whole time
+        assert worker.occupancy()["loading"] == 1  # the load was in flight the whole time
         assert len(during) >= 5, f"{len(during)} tokens in 0.5 s while the load waited"
     finally:
         conn.gate.set()

@@ -62,7 +62,7 @@ def test_another_driver_reads_no_kv_and_pins_within_limits() -> None:
         assert leases[0] is not None and leases[1] is None  # 20, then 40 > 32
         assert ray.get(a.pin.remote(chains[1][:12], MAX_LEASE_S)) is not None  # 32: the cap
         assert ray.get(a.num_pinned.remote()) == NUM_BLOCKS // 2
-        assert ray.get(a.load.remote())["free_blocks"] >= NUM_BLOCKS // 2
+        assert ray.get(a.occupancy.remote())["free_blocks"] >= NUM_BLOCKS // 2
         # The worker still serves its own requests meanwhile.
         out = ray.get(a.generate.remote(prompt(3, 60), GREEDY), timeout=60)
         assert len(out.token_ids) == 2

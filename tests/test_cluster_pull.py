@@ -62,7 +62,7 @@ def test_second_worker_pulls_the_whole_prefix(transport: str, reference: LLM) ->
         second = ray.get(b.generate.remote(ids, GREEDY))
         full_blocks = (len(ids) - 1) // BS * BS  # the last token is always computed
         assert second.metrics.num_pulled_tokens == full_blocks
-        assert second.metrics.num_cached_tokens == 0
+        assert second.metrics.num_local_hit_tokens == 0
         assert second.metrics.num_computed_tokens == len(ids) - full_blocks
         assert_same(second, reference.generate([ids], GREEDY)[0])
         # The pulled blocks hold exactly the holder's bytes.

@@ -79,7 +79,7 @@ def test_noop_connector_changes_nothing() -> None:
         for i, tokens in enumerate(trace):
             req = h.new_request(f"r{i}", tokens)
             alloc = h.prefill(req)
-            out.append((h.manager.get_block_ids(req), alloc and alloc.num_computed_tokens))
+            out.append((h.manager.get_block_ids(req), alloc and alloc.num_kv_tokens))
             h.finish(req)
         out.append(h.manager.pool.free_queue.block_ids())
         results.append(out)

@@ -47,10 +47,10 @@ def test_shared_prefixes_match_hf_and_hit(llm: LLM, tiny_hf: HFReference) -> Non
     batch = prompts(1, 5, shared=23)
     check_against_hf(llm, tiny_hf, batch)
     again = llm.generate(batch[:2], GREEDY)
-    assert all(o.metrics.num_cached_tokens >= 20 for o in again)
+    assert all(o.metrics.num_local_hit_tokens >= 20 for o in again)
     for o in again:
         m = o.metrics
-        assert m.num_cached_tokens + m.num_pulled_tokens + m.num_computed_tokens == len(
+        assert m.num_local_hit_tokens + m.num_pulled_tokens + m.num_computed_tokens == len(
             o.prompt_token_ids
         )
 
@@ -210,7 +210,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:
     shared = prompts(9, 1, shared=40)[0][:40]  # 10 full blocks of 4
     batch = [[*shared, 200 + i, 201, 202] for i in range(4)]
     outs = llm.generate(batch, GREEDY)
-    cached = sorted(o.metrics.num_cached_tokens for o in outs)
+    cached = sorted(o.metrics.num_local_hit_tokens for o in outs)
     # One request computes the prefix; the others wait one step and hit it.
     assert cached == [0, 40, 40, 40]
     assert sum(o.metrics.num_computed_tokens for o in outs) == 40 + 4 * 3

@@ -256,7 +256,7 @@ def test_disconnect_aborts(
         response = conn.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")
     else:
-        wait_until(lambda: backend.worker.load()["running"] == 1, "the request to run")
+        wait_until(lambda: backend.worker.occupancy()["running"] == 1, "the request to run")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     wait_until(lambda: len(aborted) == 1, "the abort", timeout=5)

@@ -113,7 +113,7 @@ def test_pin_refuses_bad_lease_lengths(worker: Worker, lease_s: object) -> None:
 
 
 def test_pin_caps_the_blocks_pinned_per_call_and_in_total(worker: Worker) -> None:
-    free_before = worker.load()["free_blocks"]
+    free_before = worker.occupancy()["free_blocks"]
     a = worker.pin(hashes_of(worker, 1), MAX_LEASE_S)  # 10 of 32 blocks: fine
     assert a is not None
     try:
@@ -128,12 +128,12 @@ def test_pin_caps_the_blocks_pinned_per_call_and_in_total(worker: Worker) -> Non
         c = worker.pin(hashes_of(worker, 2, 6), 5.0)  # 16 in all: at the cap
         assert c is not None
         # A peer can never take more than half the pool from this worker's own requests.
-        assert worker.load()["free_blocks"] >= NUM_BLOCKS - worker.max_pinned_blocks
+        assert worker.occupancy()["free_blocks"] >= NUM_BLOCKS - worker.max_pinned_blocks
         worker.release(c[0])
     finally:
         worker.release(a[0])
     assert worker.max_pinned_blocks == NUM_BLOCKS // 2
-    assert worker.num_pinned() == 0 and worker.load()["free_blocks"] == free_before
+    assert worker.num_pinned() == 0 and worker.occupancy()["free_blocks"] == free_before
 
 
 def test_connector_config_lease_bounds() -> None:

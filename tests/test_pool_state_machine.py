@@ -86,7 +86,7 @@ class PoolMachine(RuleBasedStateMachine):
         rid = self.running.pop(i % len(self.running))
         req = self.h.requests[rid]
         self.h.manager.free(req)
-        req.num_computed_tokens = 0
+        req.num_kv_tokens = 0
         self.waiting.append(rid)
 
     @rule()

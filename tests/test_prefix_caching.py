@@ -18,7 +18,7 @@ def test_shared_prefix_hits_and_free_order() -> None:
     h = make()
     r0 = h.new_request("r0", list(range(10)))  # 2 full blocks + 2 tokens
     a0 = h.prefill(r0)
-    assert a0 is not None and a0.num_computed_tokens == 0
+    assert a0 is not None and a0.num_kv_tokens == 0
     assert ids(h, "r0") == [0, 1, 2]
     assert sorted(h.manager.pool.cached.values(), key=lambda b: b.block_id)[0].block_id == 0
     assert len(h.manager.pool.cached) == 2  # blocks 0 and 1; block 2 is partial
@@ -140,7 +140,7 @@ def test_prefix_caching_disabled_never_hits() -> None:
     h = KvHarness(10, 4, enable_prefix_caching=False)
     h.prefill(h.new_request("r0", list(range(10))))
     alloc = h.prefill(h.new_request("r1", list(range(10))))
-    assert alloc is not None and alloc.num_computed_tokens == 0
+    assert alloc is not None and alloc.num_kv_tokens == 0
     assert h.manager.pool.cached == {}
 
 

@@ -62,7 +62,7 @@ def check_resume(prompt: str, params: SamplingParams, cuts: list[int] | None = N
         assert (out.finish_reason, out.stop_reason) == (want.finish_reason, want.stop_reason)
         assert out.num_resumed_tokens == k
         m = out.metrics
-        assert m.num_cached_tokens + m.num_pulled_tokens + m.num_computed_tokens == (
+        assert m.num_local_hit_tokens + m.num_pulled_tokens + m.num_computed_tokens == (
             len(out.prompt_token_ids) + k
         )
 
@@ -205,7 +205,7 @@ def test_resumed_blocks_hit_the_prefix_cache() -> None:
     got = run(llm, PROMPT, GREEDY, want.token_ids[:k])[-1].output
     assert got is not None and got.token_ids == want.token_ids
     assert len(want.prompt_token_ids) == 16
-    assert got.metrics.num_cached_tokens == 24
+    assert got.metrics.num_local_hit_tokens == 24
 
 
 def test_worker_passes_resumed_tokens_through() -> None:

@@ -35,6 +35,26 @@ def test_kv_aware_prefers_the_holder_until_its_queue_costs_more() -> None:
     assert c.worker == "b" and c.pull_blocks == 0
 
 
+def test_a_worker_without_room_in_its_pool_is_not_routed_to() -> None:
+    """Peers pinned most of b's pool (or its own requests fill it): a prompt that needs more
+    free blocks than b has goes elsewhere, even though b holds its prefix."""
+    tokens = 64 * BS + 5
+    for policy in ("kv_aware", "least_loaded"):
+        r = Router(policy, BS)
+        # b holds 32 blocks: the prompt needs 33 more (32 + the partial one); b has 20.
+        full = {
+            "a": WorkerView(queue=1, free_blocks=500),
+            "b": WorkerView(depth=32, free_blocks=20),
+        }
+        assert r.choose(["a", "b"], full, tokens).worker == "a"
+        # With room for them, b is the one.
+        roomy = {**full, "b": WorkerView(depth=32, free_blocks=33)}
+        assert r.choose(["a", "b"], roomy, tokens).worker == "b"
+        # None has room: the request queues where it would have anyway (never refused here).
+        tight = {"a": WorkerView(queue=1, free_blocks=3), "b": WorkerView(depth=32, free_blocks=3)}
+        assert r.choose(["a", "b"], tight, tokens).worker == "b"
+
+
 def test_moving_a_conversation_costs_its_history_but_a_shared_prompt_moves_freely() -> None:
     """Blocks only one peer holds (a conversation's own history) cost their recompute when
     pulled elsewhere: the conversation stays home unless home is much busier. Blocks two

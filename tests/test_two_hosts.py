@@ -58,13 +58,13 @@ def test_serve_joins_and_a_pull_crosses_the_link(hosts: TwoHosts, base_url: str)
 def test_a_host_lost_under_load_costs_no_request_and_heals(hosts: TwoHosts, base_url: str) -> None:
     texts = [prompt(40, salt=1000 + i) for i in range(8)]
     kw = {"base_url": base_url, "texts": texts, "max_tokens": 1000, "concurrency": 8}
-    ref = hosts.client("load", **kw)
+    ref = hosts.client("traffic", **kw)
     reference = ref["results"]
     assert all(r["ok"] for r in reference), reference
     assert len({r["kvmesh"]["worker"] for r in reference}) == 2, reference
 
     run = hosts.popen(
-        [sys.executable, "-m", "tests.two_hosts_client", "load", json.dumps(kw)],
+        [sys.executable, "-m", "tests.two_hosts_client", "traffic", json.dumps(kw)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -83,7 +83,7 @@ def test_a_host_lost_under_load_costs_no_request_and_heals(hosts: TwoHosts, base
     hosts.start_host("b")
     deadline = time.monotonic() + 180
     while True:
-        done = hosts.client("load", **{**kw, "texts": texts[:4], "max_tokens": 4})["results"]
+        done = hosts.client("traffic", **{**kw, "texts": texts[:4], "max_tokens": 4})["results"]
         workers = {r["kvmesh"]["worker"] for r in done if r["ok"]}
         if len(workers) == 2 and all(r["ok"] for r in done):
             break

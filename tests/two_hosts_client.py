@@ -94,7 +94,7 @@ def pull(base_url: str, dev: str, words: int, max_tokens: int = 4) -> dict[str, 
     return {"requests": out}
 
 
-def load(base_url: str, texts: list[str], max_tokens: int, concurrency: int = 16) -> dict:
+def traffic(base_url: str, texts: list[str], max_tokens: int, concurrency: int = 16) -> dict:
     """Every text once, greedy, every other one streamed; results in order."""
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -105,7 +105,7 @@ def load(base_url: str, texts: list[str], max_tokens: int, concurrency: int = 16
     return {"results": results, "seconds": round(time.perf_counter() - start, 3)}
 
 
-COMMANDS = {"wait_ready": wait_ready, "pull": pull, "load": load}
+COMMANDS = {"wait_ready": wait_ready, "pull": pull, "traffic": traffic}
 
 if __name__ == "__main__":
     result = COMMANDS[sys.argv[1]](**json.loads(sys.argv[2]))

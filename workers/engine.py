@@ -308,8 +308,8 @@ class LLMEngine:
         self._record_logprobs(logits, sampling, tokens)
         now = time.perf_counter()
         for s in batch:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(s.request, s.request.num_computed_tokens)
+            s.request.num_kv_tokens += s.num_new_tokens
+            self.kv.cache_blocks(s.request, s.request.num_kv_tokens)
         return [self._postprocess(t, tok, now) for t, tok in zip(sampling, tokens, strict=True)]
 
     @staticmethod

@@ -7,7 +7,7 @@ The scheduler drives it in this order for a request that holds no blocks yet:
     ... when alloc.num_loading_tokens: the request waits; each step, poll_loads() says
         which loads ended (their blocks registered, or left to compute) ...
     ... the model writes the new tokens' KV ...
-    manager.cache_blocks(request, request.num_computed_tokens)
+    manager.cache_blocks(request, request.num_kv_tokens)
     ...
     manager.free(request)                                  # done, preempted or aborted
 
@@ -61,7 +61,7 @@ class Allocation:
     num_loading_tokens: int = 0
 
     @property
-    def num_computed_tokens(self) -> int:
+    def num_kv_tokens(self) -> int:
         """Tokens whose KV the request holds before this step computes anything."""
         return self.num_local_hit_tokens + self.num_loaded_tokens
 
@@ -199,7 +199,7 @@ class KVCacheManager:
             assert not held, "a prefix hit is only applied to a request that holds no blocks"
         bs = self.block_size
         n_local, n_ext = len(computed.local_blocks), computed.num_external_blocks
-        num_tokens = request.num_computed_tokens + (n_local + n_ext) * bs + num_new_tokens
+        num_tokens = request.num_kv_tokens + (n_local + n_ext) * bs + num_new_tokens
         self.check_fits(num_tokens)
         num_new_blocks = max(0, cdiv(num_tokens, bs) - len(held) - n_local)
         # Hits on free cached blocks take them out of the free queue before we pop from it.
@@ -295,13 +295,13 @@ class KVCacheManager:
         kept = set(busy)  # blocks compare by identity
         self.pool.free_blocks([b for b in blocks[::-1] if b not in kept])
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_kv_tokens: int) -> None:
         """Register the request's blocks that became full with computed KV."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
         start = self.num_cached_blocks.get(rid, 0)
-        end = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        end = min(num_kv_tokens // self.block_size, len(request.block_hashes))
         if end <= start:
             return
         blocks = self.req_to_blocks[rid][start:end]

@@ -31,7 +31,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         last_rows: list[int] = []
         for s in batch:
-            start = s.request.num_computed_tokens
+            start = s.request.num_kv_tokens
             end = start + s.num_new_tokens
             input_ids.extend(s.request.all_token_ids[start:end])
             positions.extend(range(start, end))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class RequestMetrics:
     """Where the prompt's KV came from, and how long the first token took.
 
-    ``num_cached_tokens`` were hit in the local prefix cache, ``num_pulled_tokens`` came
+    ``num_local_hit_tokens`` were hit in the local prefix cache, ``num_pulled_tokens`` came
     through the connector, ``num_computed_tokens`` were computed: the three add up to the
     prompt length, plus the resumed tokens of a resumed request (counted at the request's
     first scheduling).
@@ -19,7 +19,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0
+    num_local_hit_tokens: int = 0
     num_pulled_tokens: int = 0
     num_computed_tokens: int = 0
     num_preemptions: int = 0

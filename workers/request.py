@@ -54,7 +54,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         # Tokens whose KV is in this request's blocks (local hits + pulled + computed).
-        self.num_computed_tokens = 0
+        self.num_kv_tokens = 0
         self.pull_plan = pull_plan
         # False after a load whose transfer could not be stopped: compute everything instead.
         self.may_pull = True
@@ -86,5 +86,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, {self.status.value})"
+            f"computed={self.num_kv_tokens}, {self.status.value})"
         )

@@ -35,12 +35,12 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # computed this step, starting at request.num_computed_tokens
+    num_new_tokens: int  # computed this step, starting at request.num_kv_tokens
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_kv_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 class Scheduler:
@@ -66,7 +66,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_kv_tokens, budget)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -109,17 +109,17 @@ class Scheduler:
             if alloc is None:
                 break
             del self.waiting[j]
-            req.num_computed_tokens = alloc.num_computed_tokens
+            req.num_kv_tokens = alloc.num_kv_tokens
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
             self._record_sources(req, alloc.num_local_hit_tokens, alloc.num_loaded_tokens)
-            pending.update(req.block_hashes[req.num_computed_tokens // self.kv.block_size :])
+            pending.update(req.block_hashes[req.num_kv_tokens // self.kv.block_size :])
             if alloc.num_loading_tokens:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.loading[req.request_id] = req
                 continue
             # A failed load leaves more to compute; the blocks allocated already cover it.
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_kv_tokens, budget)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.append(ScheduledRequest(req, n))
@@ -135,12 +135,12 @@ class Scheduler:
                 continue
             del self.loading[req.request_id]
             if outcome.restart:
-                req.num_computed_tokens = 0
+                req.num_kv_tokens = 0
                 req.status = RequestStatus.WAITING
                 self.waiting.appendleft(req)
                 continue
-            req.num_computed_tokens += outcome.num_loaded_tokens
-            self._record_sources(req, req.metrics.num_cached_tokens, outcome.num_loaded_tokens)
+            req.num_kv_tokens += outcome.num_loaded_tokens
+            self._record_sources(req, req.metrics.num_local_hit_tokens, outcome.num_loaded_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
@@ -149,7 +149,7 @@ class Scheduler:
         """Where the KV of the admission that yields the first token comes from."""
         if req.metrics.first_token_time is not None:
             return
-        req.metrics.num_cached_tokens = local_tokens
+        req.metrics.num_local_hit_tokens = local_tokens
         req.metrics.num_pulled_tokens = pulled_tokens
         # num_tokens: the prompt, and a resumed request's resumed tokens, all prefilled.
         req.metrics.num_computed_tokens = req.num_tokens - local_tokens - pulled_tokens
@@ -160,12 +160,12 @@ class Scheduler:
         bs = self.kv.block_size
         pending: set[bytes] = set()
         for req in [*self.running, *self.loading.values()]:
-            pending.update(req.block_hashes[req.num_computed_tokens // bs :])
+            pending.update(req.block_hashes[req.num_kv_tokens // bs :])
         return pending
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        req.num_kv_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)

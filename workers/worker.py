@@ -286,7 +286,7 @@ class Worker:
         """Blocks pinned by live leases now (each counted once)."""
         return self.call(lambda: len(self._pinned), peer=True)
 
-    def load(self) -> dict[str, int]:
+    def occupancy(self) -> dict[str, int]:
         """Queue lengths, for routers. ``running`` counts every admitted request, those
         waiting for their prefix's load (also ``loading``) included."""
         sched = self.engine.scheduler

@@ -123,8 +123,8 @@ class WorkerActor:
         return self.worker.num_pinned()
 
     @_control
-    def load(self) -> dict[str, int]:
-        return self.worker.load()
+    def occupancy(self) -> dict[str, int]:
+        return self.worker.occupancy()
 
     @_control
     def flush_events(self) -> int:
