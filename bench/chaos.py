@@ -22,8 +22,7 @@ One JSON line per scenario, each with ``scenario``, ``requests``, ``failed`` and
   seconds until the cluster serves on both hosts again (``heal_s``).
 - ``link_cut``: the link down for ``--cut-s`` under load, then up (Ray declares host b dead
   meanwhile; it is started again as an autoscaler would).
-- ``transfer_faults``, ``overload``, ``fuzz``: single-host scenarios of their own benches
-  (the fuzz runs beside the soak: both count failures, not time).
+- ``transfer_faults``, ``overload``, ``fuzz``: single-host scenarios of their own benches.
 
     sudo .venv/bin/python bench/chaos.py [--only pull_1gbit,worker_killed] [--quick]
 """
@@ -34,7 +33,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -172,11 +170,8 @@ def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> N
                 emit(driver(hosts, "client_disconnects", "tiny-random", base_url=url,
                             streams=10, max_tokens=2000))  # fmt: skip
             if "soak" in only:
-                beside = [OneHost(s, quick) for s in BESIDE_SOAK if s in only]
                 kw = {"seconds": soak_s, "n": n // 2, "max_tokens": tokens, "kill_every_s": 30.0}
                 emit(driver(hosts, "soak", "tiny-random", timeout=soak_s + 900, base_url=url, **kw))
-                for side in beside:
-                    side.finish()
             for s in ("host_lost", "link_cut"):
                 if s in only:
                     emit(host_fault(hosts, s, url, n, tokens, cut_s))
@@ -188,48 +183,20 @@ ONE_HOST = {
     "overload": (["bench/overload.py"], ["--duration", "15", "--probe", "10"]),
     "fuzz": (["bench/fuzz.py", "--cluster"], ["--cases", "100"]),
 }
-# Run beside the soak: both count failures, not time (the fuzz's hang bound is 30 s, then 300),
-# so sharing the box costs neither its figures and the suite ten minutes.
-BESIDE_SOAK = ("fuzz",)
-
-
-class OneHost:
-    """A one-host scenario's bench running as a subprocess; ``finish`` emits its row."""
-
-    def __init__(self, scenario: str, quick: bool) -> None:
-        command, quick_args = ONE_HOST[scenario]
-        args = [sys.executable, *command, *(quick_args if quick else [])]
-        self.scenario = scenario
-        # Files, not pipes: nobody reads a pipe while the soak runs, and a full one stalls.
-        # They outlive this call (the soak runs meanwhile): ``finish`` closes them.
-        self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.out, stderr=self.err, text=True)
-
-    def finish(self) -> None:
-        rc = self.proc.wait(timeout=1800)
-        self.out.seek(0)
-        self.err.seek(0)
-        out, err = self.out.read(), self.err.read()
-        self.out.close()
-        self.err.close()
-        rows = [line for line in out.splitlines() if line.startswith("{")]
-        if rc or not rows:
-            emit(
-                {
-                    "scenario": self.scenario,
-                    "error": f"exit {rc}",
-                    "stderr": err[-2000:],
-                }
-            )
-        else:
-            emit({**json.loads(rows[-1]), "scenario": self.scenario})
 
 
 def one_host_rows(only: set[str], quick: bool) -> None:
-    for scenario in ONE_HOST:
-        if scenario in only:
-            OneHost(scenario, quick).finish()
+    for scenario, (command, quick_args) in ONE_HOST.items():
+        if scenario not in only:
+            continue
+        args = [sys.executable, *command, *(quick_args if quick else [])]
+        proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not rows:
+            emit({"scenario": scenario, "error": f"exit {proc.returncode}",
+                  "stderr": proc.stderr[-2000:]})  # fmt: skip
+            continue
+        emit({**json.loads(rows[-1]), "scenario": scenario})
 
 
 def main() -> None:
@@ -245,8 +212,7 @@ def main() -> None:
         p.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
     soak_s = min(args.soak_s, 60.0) if args.quick else args.soak_s
     two_host_rows(only, args.quick, args.cut_s, soak_s)
-    # What ran beside the soak is done; a fuzz without a soak runs here.
-    one_host_rows(only - set(BESIDE_SOAK) if "soak" in only else only, args.quick)
+    one_host_rows(only, args.quick)
 
 
 if __name__ == "__main__":
