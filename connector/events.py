@@ -15,7 +15,7 @@ No torch, no ray: bytes in, bytes out.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,13 @@ def _check_hashes(hashes: Any, what: str) -> None:
             raise MalformedBatch(f"{what}: hash {i} is {type(h).__name__}, expected bytes")
         if len(h) != HASH_LEN:
             raise MalformedBatch(f"{what}: hash {i} is {len(h)} bytes, expected {HASH_LEN}")
+
+
+def require_block_hashes(hashes: Iterable[bytes], what: str) -> None:
+    """ValueError unless every hash is ``HASH_LEN`` bytes (for callers, not batches)."""
+    bad = [h for h in hashes if type(h) is not bytes or len(h) != HASH_LEN]
+    if bad:
+        raise ValueError(f"{what} hashes must be {HASH_LEN} bytes, got {bad[0]!r:.60}")
 
 
 def _check_parent(parent: Any, what: str) -> None:

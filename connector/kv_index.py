@@ -5,11 +5,9 @@ of block hashes and answers each worker's longest held prefix. Workers feed it n
 batches (connector/events.py); a gap in a worker's numbering freezes that worker until it sends
 a full snapshot. Answers are hints: a block can leave a worker right after a lookup.
 
-It also keeps *pending* entries, shared routing state: "worker w is computing these leading
-blocks of a prompt now, with ``tokens`` prompt tokens still to compute". Whoever routes a
-prompt adds one and drops it when the prompt is computed; a ``Stored`` of the entry's last
-block from that worker, the worker's purge, or the entry's time to live drops it too, so an
-ingress that dies never leaves one behind for long. :meth:`KvIndex.route_lookup` answers both,
+It also keeps *pending* entries (connector/pending_entries.py), shared routing state: "worker w
+is computing these leading blocks of a prompt now". A ``Stored`` of an entry's last block from
+its worker, or the worker's purge, ends it here. :meth:`KvIndex.route_lookup` answers both,
 held blocks and pending ones, so several ingress replicas see each other's in-flight prompts.
 
 Workers are not trusted to be who they say (any Ray driver can call the index): ``register``
@@ -22,23 +20,24 @@ No torch, no ray. Not thread-safe: the actor (connector/index_actor.py) holds a 
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Literal
 
 from kvmesh.connector.events import (
-    HASH_LEN,
     KIND_CLEARED,
     KIND_STORED,
     MalformedBatch,
     Record,
     decode_records,
+    require_block_hashes,
+)
+from kvmesh.connector.pending_entries import (
+    DEFAULT_PENDING_TTL_S,
+    PendingEntries,
 )
 
 ApplyStatus = Literal["applied", "duplicate", "gap", "rejected"]
@@ -52,18 +51,8 @@ _COUNTERS = ("events_applied", "batches_applied", "batches_rejected", "duplicate
 _COUNTERS += (
     "lookups",
     "removes_ignored",
-    "pending_added",
-    "pending_stored",
-    "pending_expired",
-    "pending_raced",
     "unauthorized",  # calls and batches refused for a wrong or missing worker token
 )
-
-# How long a pending entry lives unless dropped or stored first (an ingress may die holding it).
-DEFAULT_PENDING_TTL_S = 120.0
-# How long an ended pending entry still counts as a race: longer than a router's lookup and
-# claim take (two index calls), short enough to keep the record small.
-RACE_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +63,6 @@ class ApplyResult:
     worker_id: str | None = None
     seq: int | None = None
     reason: str | None = None
-
-
-@dataclass(slots=True)
-class _PendingEntry:
-    worker_id: str
-    hashes: tuple[bytes, ...]
-    tokens: int
-    expires: float
 
 
 @dataclass(slots=True)
@@ -120,16 +101,7 @@ class KvIndex:
         self._without: dict[tuple[frozenset[str], str], frozenset[str]] = {}
         self._sets: dict[frozenset[str], frozenset[str]] = {}
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._pending: dict[str, dict[int, _PendingEntry]] = {}  # worker -> its entries, FIFO
-        self._pending_last: dict[str, dict[bytes, set[int]]] = {}  # worker -> last hash -> ids
-        self._pending_owner: dict[int, str] = {}  # pending id -> worker
-        self._expiry: list[tuple[float, int]] = []  # heap of (expires, pending id)
-        self._pending_ids = itertools.count(1)
-        self._last_pending_id = 0  # route_lookup's version of the pending entries
-        # Entries ended lately, oldest first: (ended at, id, worker, first hash). One that
-        # ended between a router's lookup and its claim (its prefix stored meanwhile) raced
-        # the claim just as a live one does.
-        self._ended: deque[tuple[float, int, str, bytes]] = deque()
+        self._pending = PendingEntries(clock)
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -196,8 +168,7 @@ class KvIndex:
     def purge(self, worker_id: str) -> bool:
         """Forget a worker, its blocks and its pending entries in O(its blocks); False if it
         was not registered."""
-        for pending_id in list(self._pending.get(worker_id, ())):
-            self.drop_pending(pending_id)
+        self._pending.drop_worker(worker_id)
         self._drop_blocks(worker_id)
         self._blocks.pop(worker_id, None)
         self._single.pop(worker_id, None)
@@ -257,7 +228,7 @@ class KvIndex:
         state = self._workers[worker_id]
         self.authorize(worker_id, token)
         new = set(hashes)
-        _check_hashes(new, "snapshot")
+        require_block_hashes(new, "snapshot")
         if type(next_seq) is not int or next_seq < 0:
             raise ValueError(f"next_seq must be a non-negative int, got {next_seq!r}")
         mine = self._blocks[worker_id]
@@ -265,16 +236,14 @@ class KvIndex:
         self._add(worker_id, new - mine)
         state.expected_seq = next_seq
         state.needs_snapshot = False
-        if worker_id in self._pending_last:
-            self._stored_pending(worker_id, new)
+        self._pending.stored(worker_id, new)
 
     def _apply_records(self, worker_id: str, records: list[Record]) -> None:
         events = 0
         for kind, hashes, _parent in records:
             if kind == KIND_STORED:
                 self._add(worker_id, set(hashes).difference(self._blocks[worker_id]))
-                if worker_id in self._pending_last:
-                    self._stored_pending(worker_id, hashes)
+                self._pending.stored(worker_id, hashes)
             elif kind == KIND_CLEARED:
                 self._drop_blocks(worker_id)
             else:
@@ -333,7 +302,7 @@ class KvIndex:
         if mine:
             self._remove(worker_id, list(mine))
 
-    # -- pending entries -------------------------------------------------------------------
+    # -- pending entries (connector/pending_entries.py) ----------------------------------------
 
     def add_pending(
         self,
@@ -343,112 +312,28 @@ class KvIndex:
         ttl_s: float = DEFAULT_PENDING_TTL_S,
         seen: int | None = None,
     ) -> int | None:
-        """Record that ``worker_id`` is computing the leading blocks ``hashes`` of a prompt, with
-        ``tokens`` prompt tokens still to compute; returns the entry's id (never reused).
-
-        ``seen``: the ``last_pending_id`` of the :meth:`route_lookup` the decision was made
-        on. If another worker has added an entry for the same prompt since (another router
-        raced this one), nothing is added and None is returned: decide again on a fresh
-        lookup, or both workers would compute the same prefix.
-
-        ``hashes`` may be empty (a prompt shorter than a block still adds to the backlog).
-        Raises ValueError for a bad worker id, hash, ``tokens`` or ``ttl_s``.
-        """
-        if not isinstance(worker_id, str) or not worker_id:
-            raise ValueError(f"worker_id must be a non-empty str, got {worker_id!r}")
-        chain = tuple(hashes)
-        _check_hashes(chain, "pending")
-        if type(tokens) is not int or tokens < 0:
-            raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
-        if not isinstance(ttl_s, int | float) or not ttl_s > 0:
-            raise ValueError(f"ttl_s must be a positive number, got {ttl_s!r}")
-        self.expire_pending()
-        if seen is not None and chain and self._raced(worker_id, chain[0], seen):
-            self._counts["pending_raced"] += 1
-            return None
-        pending_id = next(self._pending_ids)
-        self._last_pending_id = pending_id
-        entry = _PendingEntry(worker_id, chain, tokens, self._clock() + ttl_s)
-        self._pending.setdefault(worker_id, {})[pending_id] = entry
-        self._pending_owner[pending_id] = worker_id
-        if chain:
-            last = self._pending_last.setdefault(worker_id, {})
-            last.setdefault(chain[-1], set()).add(pending_id)
-        heapq.heappush(self._expiry, (entry.expires, pending_id))
-        self._counts["pending_added"] += 1
-        return pending_id
-
-    def _raced(self, worker_id: str, first: bytes, seen: int) -> bool:
-        """Another worker's entry for a prompt starting with block ``first``, newer than
-        ``seen``: live, or ended (stored, dropped) within ``RACE_WINDOW_S``."""
-        self._forget_ended()
-        return any(
-            i > seen and e.hashes and e.hashes[0] == first
-            for w, entries in self._pending.items()
-            if w != worker_id
-            for i, e in entries.items()
-        ) or any(i > seen and w != worker_id and h == first for _, i, w, h in self._ended)
-
-    def _forget_ended(self) -> None:
-        horizon = self._clock() - RACE_WINDOW_S
-        while self._ended and self._ended[0][0] < horizon:
-            self._ended.popleft()
+        """:meth:`PendingEntries.add`."""
+        return self._pending.add(worker_id, hashes, tokens, ttl_s, seen)
 
     def drop_pending(self, pending_id: int) -> bool:
-        """Forget a pending entry; False if it is already gone (dropped, stored, expired)."""
-        worker_id = self._pending_owner.pop(pending_id, None)
-        if worker_id is None:
-            return False
-        mine = self._pending[worker_id]
-        entry = mine.pop(pending_id)
-        if not mine:
-            del self._pending[worker_id]
-        if entry.hashes:
-            self._ended.append((self._clock(), pending_id, worker_id, entry.hashes[0]))
-            self._forget_ended()
-            last = self._pending_last[worker_id]
-            ids = last[entry.hashes[-1]]
-            ids.discard(pending_id)
-            if not ids:
-                del last[entry.hashes[-1]]
-                if not last:
-                    del self._pending_last[worker_id]
-        # Its heap item stays; expire_pending skips items of entries already gone.
-        return True
+        """:meth:`PendingEntries.drop`."""
+        return self._pending.drop(pending_id)
 
     def expire_pending(self) -> int:
-        """Drop the entries whose time to live is over; returns how many."""
-        now, heap, n = self._clock(), self._expiry, 0
-        while heap and heap[0][0] <= now:
-            _, pending_id = heapq.heappop(heap)
-            if self.drop_pending(pending_id):
-                n += 1
-        if len(heap) > 64 and len(heap) > 4 * len(self._pending_owner):  # dropped entries' items
-            self._expiry = [(e.expires, i) for w in self._pending.values() for i, e in w.items()]
-            heapq.heapify(self._expiry)
-        self._counts["pending_expired"] += n
-        return n
+        """:meth:`PendingEntries.expire`."""
+        return self._pending.expire()
 
     def next_pending_expiry(self) -> float | None:
-        """When (on the clock) the next entry expires, or None when none is pending."""
-        heap = self._expiry
-        while heap and heap[0][1] not in self._pending_owner:  # dropped before it expired
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
-
-    def _stored_pending(self, worker_id: str, stored: Iterable[bytes]) -> None:
-        """Drop the worker's entries whose last hash it just stored."""
-        last = self._pending_last[worker_id]
-        done = [i for h in stored if h in last for i in last[h]]
-        for pending_id in done:
-            if self.drop_pending(pending_id):
-                self._counts["pending_stored"] += 1
+        """:meth:`PendingEntries.next_expiry`."""
+        return self._pending.next_expiry()
 
     def pending_depth(self, worker_id: str, hashes: Sequence[bytes]) -> int:
-        """The longest leading run of ``hashes`` one pending entry of ``worker_id`` covers."""
-        self.expire_pending()
-        entries = self._pending.get(worker_id, {}).values()
-        return max((_common_prefix(e.hashes, hashes) for e in entries), default=0)
+        """:meth:`PendingEntries.depth`."""
+        return self._pending.depth(worker_id, hashes)
+
+    def pending(self) -> dict[int, dict[str, Any]]:
+        """:meth:`PendingEntries.entries`."""
+        return self._pending.entries()
 
     def held_depth(self, worker_id: str, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``hashes`` ``worker_id`` holds (0 if unknown)."""
@@ -471,43 +356,10 @@ class KvIndex:
         order); ``backlog`` is each worker's pending tokens over all its entries and ``queued``
         how many entries it has (every router's prompts routed there and not yet computed).
         """
-        self.expire_pending()
-        pending: dict[str, dict[str, int]] = {}
-        backlog: dict[str, int] = {}
-        queued: dict[str, int] = {}
-        first = hashes[0] if hashes else None
-        for worker_id, entries in self._pending.items():
-            total = depth = wait = 0
-            for e in entries.values():  # insertion order: the order they were routed in
-                total += e.tokens
-                if e.hashes and e.hashes[0] == first:
-                    d = _common_prefix(e.hashes, hashes)
-                    if d > depth:
-                        depth, wait = d, total
-            backlog[worker_id] = total
-            queued[worker_id] = len(entries)
-            if depth:
-                pending[worker_id] = {"depth": depth, "wait_tokens": wait}
         return {
             "held": self.lookup(hashes),
-            "pending": pending,
-            "backlog": backlog,
-            "queued": queued,
-            "last_pending_id": self._last_pending_id,
-        }
-
-    def pending(self) -> dict[int, dict[str, Any]]:
-        """Every live pending entry by id: ``{"worker_id", "hashes", "tokens", "expires"}``."""
-        self.expire_pending()
-        return {
-            i: {
-                "worker_id": e.worker_id,
-                "hashes": list(e.hashes),
-                "tokens": e.tokens,
-                "expires": e.expires,
-            }
-            for entries in self._pending.values()
-            for i, e in entries.items()
+            **self._pending.summary(hashes),
+            "last_pending_id": self._pending.last_id,
         }
 
     # -- queries ---------------------------------------------------------------------------
@@ -565,8 +417,9 @@ class KvIndex:
             "entries": sum(map(len, self._blocks.values())),
             "workers": len(self._workers),
             "workers_needing_snapshot": sum(s.needs_snapshot for s in self._workers.values()),
-            "pending": len(self._pending_owner),
+            "pending": len(self._pending),
             **self._counts,
+            **self._pending.counts,
         }
 
     def check_integrity(self) -> None:
@@ -579,45 +432,4 @@ class KvIndex:
                 assert h in self._blocks[w], f"{w} listed as holder of {h.hex()} but lacks it"
             entries += len(ws)
         assert entries == sum(map(len, self._blocks.values())), "a worker holds an unlisted hash"
-        owners = {i: w for w, es in self._pending.items() for i in es}
-        assert owners == self._pending_owner, "pending entries and owners disagree"
-        assert all(self._pending.values()), "a worker without pending entries is listed"
-        lasts = {
-            (w, h, i)
-            for w, last in self._pending_last.items()
-            for h, ids in last.items()
-            for i in ids
-        }
-        want = {
-            (w, e.hashes[-1], i)
-            for w, es in self._pending.items()
-            for i, e in es.items()
-            if e.hashes
-        }
-        assert lasts == want, "pending last-hash map is stale"
-        assert set(owners) <= {i for _, i in self._expiry}, "a pending entry never expires"
-
-
-def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """How many leading hashes ``a`` and ``b`` share.
-
-    Chained hashes name a block and its whole prefix, so ``a[i] == b[i]`` implies every earlier
-    pair is equal too: a binary search over positions suffices.
-    """
-    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[hi] != b[hi] or hi is the end
-    if hi and a[hi - 1] == b[hi - 1]:
-        return hi
-    while lo < hi:
-        mid = (lo + hi) // 2  # a[mid] == b[mid] means the shared prefix is longer than mid
-        if a[mid] == b[mid]:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def _check_hashes(hashes: Iterable[bytes], what: str) -> None:
-    """ValueError unless every hash is ``HASH_LEN`` bytes."""
-    bad = [h for h in hashes if type(h) is not bytes or len(h) != HASH_LEN]
-    if bad:
-        raise ValueError(f"{what} hashes must be {HASH_LEN} bytes, got {bad[0]!r:.60}")
+        self._pending.check_integrity()

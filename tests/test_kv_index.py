@@ -21,7 +21,8 @@ from kvmesh.connector.events import (
     decode_batch,
     encode_batch,
 )
-from kvmesh.connector.kv_index import RACE_WINDOW_S, KvIndex
+from kvmesh.connector.kv_index import KvIndex
+from kvmesh.connector.pending_entries import RACE_WINDOW_S
 
 FP = "fp-test"
 
