@@ -9,6 +9,11 @@ the prompt tokens it would have to compute. Prints one JSON line and plots the T
 docs/cluster_ttft_cdf.png; ``--dump`` keeps every request for bench/cluster_replay.py.
 
     .venv/bin/python bench/cluster.py [--model smollm2-135m] [--kv-cache-memory 160MiB]
+
+With ``--host-cache-memory`` / ``--disk-cache-size`` every setup's workers get those tiers
+(the disk tier in a temporary directory per setup, removed afterwards); the ideal pool stays
+the device pools' total. ``--baseline-kv-cache-memory 160MiB`` adds the setup
+"kv_aware+connector@<size>" (that much KV per worker, no tiers) to compare against.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +35,9 @@ from ray import serve
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import deploy
-from kvmesh.workers.kv_cache import KVCache, parse_memory
+from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.loader import load_tokenizer
+from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model_config import ModelConfig
 
 SETUPS = {
@@ -117,6 +125,8 @@ async def run_setup(handle: Any, system: str, convs: list[list[str]], max_tokens
             "computed_tokens": sum(o["kvmesh"]["computed_tokens"] for o in outs),
             "share_local": round(sum(o["kvmesh"]["local_hit_tokens"] for o in outs) / prompt, 3),
             "share_pulled": round(sum(o["kvmesh"]["pulled_tokens"] for o in outs) / prompt, 3),
+            "share_host": round(sum(o["kvmesh"]["host_hit_tokens"] for o in outs) / prompt, 3),
+            "share_disk": round(sum(o["kvmesh"]["disk_hit_tokens"] for o in outs) / prompt, 3),
             "share_computed": round(sum(o["kvmesh"]["computed_tokens"] for o in outs) / prompt, 3),
         },
     }
@@ -160,6 +170,9 @@ def main() -> None:
     ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset")
     ap.add_argument("--dump", help="write every request's record (JSON lines) here")
     ap.add_argument("--ingress-replicas", type=int, default=1)
+    ap.add_argument("--host-cache-memory", default="0", help="per worker, e.g. 64MiB")
+    ap.add_argument("--disk-cache-size", help="per worker, e.g. 256MiB (a temporary dir)")
+    ap.add_argument("--baseline-kv-cache-memory", help="add kv_aware+connector at this size")
     args = ap.parse_args()
 
     system = (
@@ -172,19 +185,34 @@ def main() -> None:
         address="local", num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False
     )
     results: dict[str, dict] = {}
-    for name in args.setups.split(","):
-        setup = SETUPS[name]
+    runs = [(name, SETUPS[name], args.kv_cache_memory, True) for name in args.setups.split(",")]
+    if args.baseline_kv_cache_memory:
+        name = f"kv_aware+connector@{args.baseline_kv_cache_memory}"
+        runs.append((name, SETUPS["kv_aware+connector"], args.baseline_kv_cache_memory, False))
+    for name, setup, kv_memory, tiers in runs:
+        disk_dir = tempfile.mkdtemp(prefix="kvmesh-bench-disk-") if args.disk_cache_size else None
         config = ServeConfig(
             model=args.model,
             workers=args.workers,
-            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_memory=kv_memory,
             num_cpus_per_worker=1.0,
             ingress_replicas=args.ingress_replicas,
             **setup,
+            **(
+                {
+                    "host_cache_memory": args.host_cache_memory,
+                    "disk_cache_dir": disk_dir,
+                    "disk_cache_size": args.disk_cache_size or "4GiB",
+                }
+                if tiers
+                else {}
+            ),
         )
         handle = deploy(config)
         results[name] = asyncio.run(run_setup(handle, system, convs, args.max_tokens))
         serve.shutdown()
+        if disk_dir:
+            shutil.rmtree(disk_dir, ignore_errors=True)
 
     # The ideal pool sees the same prompts, in the order the first setup received them.
     tok = load_tokenizer(args.model)
@@ -206,6 +234,9 @@ def main() -> None:
         "model": args.model,
         "workers": args.workers,
         "ingress_replicas": args.ingress_replicas,
+        "kv_cache_memory": args.kv_cache_memory,
+        "host_cache_memory": args.host_cache_memory,
+        "disk_cache_size": args.disk_cache_size,
         "requests": sum(len(c) for c in convs),
         "clients": args.conversations,
         "max_tokens": args.max_tokens,
@@ -214,6 +245,11 @@ def main() -> None:
         "computed_vs_ideal": {
             n: round(s["computed_tokens"] / max(ideal, 1), 3) for n, s in summary.items()
         },
+        "throughput_vs_baseline": (
+            round(kv["requests_per_s"] / summary[runs[-1][0]]["requests_per_s"], 3)
+            if kv and args.baseline_kv_cache_memory
+            else None
+        ),
         "throughput_vs_local_only": (
             round(kv["requests_per_s"] / local["requests_per_s"], 2) if kv and local else None
         ),

@@ -39,12 +39,14 @@ class KvSource:
     """Where the prompt's KV came from: the ``kvmesh`` object of every response."""
 
     worker: str
-    local_hit_tokens: int
-    pulled_tokens: int
+    local_hit_tokens: int  # hit in the worker's pool
+    pulled_tokens: int  # pulled from a peer's pool
     computed_tokens: int
     ttft_ms: float | None
     prefill_worker: str | None = None
     migrations: int = 0  # times the request moved to another worker after losing one
+    host_hit_tokens: int = 0  # loaded from the worker's host-memory tier
+    disk_hit_tokens: int = 0  # loaded from the worker's disk tier
 
     @classmethod
     def of(cls, worker: str, out: RequestOutput, prefill_worker: str | None = None) -> KvSource:
@@ -57,6 +59,8 @@ class KvSource:
             m.num_computed_tokens,
             ttft,
             prefill_worker,
+            host_hit_tokens=m.num_host_hit_tokens,
+            disk_hit_tokens=m.num_disk_hit_tokens,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,8 +99,10 @@ class Completion:
 
     @property
     def cached_tokens(self) -> int:
-        """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: local hits + pulled."""
-        return self.kv.local_hit_tokens + self.kv.pulled_tokens
+        """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: every prompt token not
+        computed (hits in the pool and the tiers, and pulled)."""
+        kv = self.kv
+        return kv.local_hit_tokens + kv.host_hit_tokens + kv.disk_hit_tokens + kv.pulled_tokens
 
 
 @dataclass

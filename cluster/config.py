@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from kvmesh.workers.memory_size import parse_memory
+
 ROUTERS = ("kv_aware", "round_robin", "least_loaded")
 TRANSPORTS = ("nixl", "ray")
 
@@ -23,6 +25,11 @@ class ServeConfig:
     served_model_name: str | None = None  # the name clients send; default: model
     block_size: int = 16
     kv_cache_memory: str = "1GiB"  # per worker
+    # Tiers for blocks a worker's pool evicts (workers/kv_tiers.py), per worker: host memory,
+    # then local disk (a directory on each host; workers on one host take slots of their own).
+    host_cache_memory: str = "0"
+    disk_cache_dir: str | None = None
+    disk_cache_size: str = "4GiB"  # used only with disk_cache_dir
     workers: int | None = None  # unified workers; default 1 when no P/D roles are given
     prefill_workers: int = 0
     decode_workers: int = 0
@@ -135,6 +142,13 @@ class ServeConfig:
             for key, amount in getattr(self, name).items():
                 if not isinstance(key, str) or not _is(amount, float) or not 0 < amount < 1e9:
                     raise bad(name, "must map resource names to positive amounts")
+        for name in ("kv_cache_memory", "host_cache_memory", "disk_cache_size"):
+            try:
+                parse_memory(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        if self.disk_cache_dir == "":
+            raise bad("disk_cache_dir", "must be a directory (leave it out for no disk tier)")
         if self.api_key == "":
             raise bad("api_key", "must not be empty (leave it out to disable auth)")
 
@@ -219,6 +233,9 @@ _TYPES: dict[str, type] = {
     "served_model_name": str,
     "block_size": int,
     "kv_cache_memory": str,
+    "host_cache_memory": str,
+    "disk_cache_dir": str,
+    "disk_cache_size": str,
     "workers": int,
     "prefill_workers": int,
     "decode_workers": int,

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.metrics import tier_totals
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
@@ -239,6 +240,7 @@ class ClusterBackend:
             "pull_failures": sum(c.get("pull_failures", 0) for c in good),
             "pull_s": sum(c.get("pull_s", 0.0) for c in good),
             "pulls": sum(c.get("pulls", 0) for c in good),
+            **tier_totals(good),
         }
 
     def shutdown(self) -> None:

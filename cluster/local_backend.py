@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
+from kvmesh.cluster.metrics import tier_totals
 from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids, token_texts
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.outputs import StreamDelta
@@ -146,7 +147,8 @@ class LocalBackend:
 
     async def stats(self) -> dict[str, Any]:
         occupancy = await asyncio.to_thread(self.worker.occupancy)  # waits for the step thread
-        return {"workers": {self.name: occupancy}}
+        conn = self.worker.kv.connector.get_stats()
+        return {"workers": {self.name: occupancy}, **tier_totals([conn])}
 
     def shutdown(self) -> None:
         self.worker.shutdown()

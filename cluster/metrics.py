@@ -28,7 +28,20 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # TTFT spans a few ms (cache hit, small model) to seconds (long prompt, busy GPU).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-PROMPT_SOURCES = ("local_hit", "pulled", "computed")
+PROMPT_SOURCES = ("local_hit", "host_hit", "disk_hit", "pulled", "computed")
+# The local tiers' counters in a connector's stats (workers/kv_tiers.py, tiered_connector.py):
+# summed over workers into the backend's stats, exported below.
+TIER_STATS = (
+    "demoted_blocks",
+    "host_blocks",
+    "host_bytes",
+    "disk_blocks",
+    "disk_bytes",
+    "host_loaded_blocks",
+    "disk_loaded_blocks",
+    "disk_corrupt_blocks",
+    "disk_write_errors",
+)
 _WORKER_GAUGES = {
     "running": "Requests running per worker",
     "waiting": "Requests waiting per worker",
@@ -90,6 +103,8 @@ class ServeMetrics:
         kv = completion.kv
         self.generated_tokens.inc(len(completion.token_ids))
         self.prompt_tokens.labels("local_hit").inc(kv.local_hit_tokens)
+        self.prompt_tokens.labels("host_hit").inc(kv.host_hit_tokens)
+        self.prompt_tokens.labels("disk_hit").inc(kv.disk_hit_tokens)
         self.prompt_tokens.labels("pulled").inc(kv.pulled_tokens)
         self.prompt_tokens.labels("computed").inc(kv.computed_tokens)
         if kv.ttft_ms is not None:
@@ -144,6 +159,46 @@ class _StatsCollector(Collector):
             yield CounterMetricFamily(
                 f"{ns}_pull_failures", "Failed pulls from peers", value=s["pull_failures"]
             )
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator[Metric]:
+        ns, s = self.ns, self.stats
+        if not all(_is_number(s.get(k)) for k in TIER_STATS):
+            return
+        media = ("host", "disk")
+        held = GaugeMetricFamily(f"{ns}_tier_blocks", "Blocks in the tiers", labels=["medium"])
+        size = GaugeMetricFamily(f"{ns}_tier_bytes", "Bytes in the tiers", labels=["medium"])
+        loaded = CounterMetricFamily(
+            f"{ns}_tier_loaded_blocks", "Blocks loaded back from a tier", labels=["medium"]
+        )
+        for m in media:
+            held.add_metric([m], s[f"{m}_blocks"])
+            size.add_metric([m], s[f"{m}_bytes"])
+            loaded.add_metric([m], s[f"{m}_loaded_blocks"])
+        yield from (held, size, loaded)
+        yield CounterMetricFamily(
+            f"{ns}_tier_demoted_blocks",
+            "Blocks copied out before the pool reused them",
+            value=s["demoted_blocks"],
+        )
+        yield CounterMetricFamily(
+            f"{ns}_disk_corrupt_blocks",
+            "Disk tier blocks found torn or corrupt (computed)",
+            value=s["disk_corrupt_blocks"],
+        )
+        yield CounterMetricFamily(
+            f"{ns}_disk_write_errors",
+            "Disk tier writes that failed (e.g. a full disk)",
+            value=s["disk_write_errors"],
+        )
+
+
+def tier_totals(connector_stats: list[Mapping[str, Any]]) -> dict[str, float]:
+    """The tiers' counters summed over workers; empty when no worker has tiers."""
+    with_tiers = [c for c in connector_stats if "host_blocks" in c]
+    if not with_tiers:
+        return {}
+    return {k: sum(c.get(k, 0) for c in with_tiers) for k in TIER_STATS}
 
 
 def _is_number(x: object) -> bool:

@@ -109,8 +109,8 @@ class KvAwareRequestRouter(RequestRouter):
         return plan
 
     def _views(self, replicas: dict[str, RunningReplica], info: dict) -> dict[str, WorkerView]:
-        held, pending, backlog, queued = (
-            info.get(k, {}) for k in ("held", "pending", "backlog", "queued")
+        held, pending, backlog, queued, tiers = (
+            info.get(k, {}) for k in ("held", "pending", "backlog", "queued", "tiers")
         )
         views = {}
         for w, r in replicas.items():
@@ -125,6 +125,7 @@ class KvAwareRequestRouter(RequestRouter):
             if not info:
                 queue = max(queue, int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
             free = stats.get("free_blocks")
+            t = tiers.get(w, {})
             views[w] = WorkerView(
                 queue=queue,
                 backlog_tokens=backlog.get(w, 0),
@@ -132,17 +133,21 @@ class KvAwareRequestRouter(RequestRouter):
                 pending=p.get("depth", 0),
                 pending_wait_tokens=p.get("wait_tokens", 0),
                 free_blocks=int(free) if free is not None else None,
+                host_depth=t.get("host", 0),
+                disk_depth=t.get("disk", 0),
             )
         return views
 
     def _learn_costs(self, replicas: list[RunningReplica]) -> None:
-        """The cost model's per-token, per-pulled-block and per-queued-request times: the
-        mean of what the replicas measured (each reports its own)."""
+        """The cost model's per-token, per-pulled-block, per-tier-block and per-queued-request
+        times: the mean of what the replicas measured (each reports its own)."""
         cost = self.router.cost
         for key, sample in (
             ("t_token_s", "token"),
             ("t_pull_block_s", "pull"),
             ("t_queue_s", "queue"),
+            ("t_host_block_s", "host"),
+            ("t_disk_block_s", "disk"),
         ):
             seen = [
                 s[key]

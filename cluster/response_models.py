@@ -28,7 +28,9 @@ class ErrorResponse(_Out):
 
 
 class PromptTokensDetails(_Out):
-    cached_tokens: int = Field(description="Prompt tokens not computed: local hits + pulled.")
+    cached_tokens: int = Field(
+        description="Prompt tokens not computed: hits in the pool and the tiers, and pulled."
+    )
 
 
 class Usage(_Out):
@@ -48,6 +50,8 @@ class KvmeshInfo(_Out):
     ttft_ms: float | None
     prefill_worker: str | None = Field(None, description="Absent when none ran.")
     migrations: int = Field(0, description="Times the request moved after losing a worker.")
+    host_hit_tokens: int = Field(0, description="Loaded from the worker's host-memory tier.")
+    disk_hit_tokens: int = Field(0, description="Loaded from the worker's disk tier.")
 
 
 class TopLogprob(_Out):

@@ -5,9 +5,12 @@ The kv_aware cost model (docs/router.md) for a prompt of ``n`` full blocks on wo
     local_w   = blocks w holds or is computing right now (index depth, in-flight prefixes)
     pull_w    = blocks a peer holds beyond local_w, or, after waiting for it, a peer is
                 computing (only with the connector)
-    compute_w = n - local_w - pull_w blocks, plus the partial last block
+    tier_w    = blocks beyond local_w in w's own host / disk tiers (index depth per medium),
+                used when no peer holds more (the worker loads the larger source)
+    compute_w = n - local_w - tier_w - pull_w blocks, plus the partial last block
     ttft_w    = max(wait_w, backlog_w * t_token) + compute_w * block_size * t_token
-                + pull_w * t_pull_block + queue_w * t_queue
+                + pull_w * t_pull_block + host_w * t_host_block + disk_w * t_disk_block
+                + queue_w * t_queue
     cost_w    = ttft_w + (duplicate_w + moved_w) * block_size * t_token
 
 ``wait_w`` is how long until the peer's in-flight prefix is computed and published;
@@ -18,13 +21,15 @@ conversation's own history, not a shared prompt): moving a conversation strands 
 on the old worker and grows the new worker's working set, and once pools are full that is
 paid back as a recompute.
 
-``t_token`` (compute time per prompt token), ``t_pull_block`` (time per pulled block) and
-``t_queue`` (time a queued request adds) are exponential moving averages of what finished
-requests report: measured while running, never constants (they start from rough priors).
+``t_token`` (compute time per prompt token), ``t_pull_block`` (time per pulled block),
+``t_host_block`` / ``t_disk_block`` (time per block loaded from a tier) and ``t_queue`` (time a
+queued request adds) are exponential moving averages of what finished requests report:
+measured while running, never constants (they start from rough priors).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +37,8 @@ from dataclasses import dataclass, field
 PRIOR_T_TOKEN_S = 2e-3
 PRIOR_T_PULL_BLOCK_S = 2e-4
 PRIOR_T_QUEUE_S = 0.05
+PRIOR_T_HOST_BLOCK_S = 1e-4
+PRIOR_T_DISK_BLOCK_S = 1e-3
 EMA = 0.2
 # A prefill this short measures a step's fixed cost (a batch's decodes, the sampler), not its
 # tokens: 14 tokens in a 7 ms step would teach 0.5 ms a token where 2,000 take 30 us each.
@@ -48,6 +55,10 @@ class WorkerView:
     pending: int = 0  # leading blocks of this prompt it is computing now
     pending_wait_tokens: int = 0  # its backlog up to and including that computation
     free_blocks: int | None = None  # free in its pool, evictable ones included (None: unknown)
+    # Leading blocks it holds in its pool or host tier, and in any of pool, host, disk (the
+    # index's depths per medium, cumulative: depth <= host_depth <= disk_depth when known).
+    host_depth: int = 0
+    disk_depth: int = 0
 
 
 @dataclass
@@ -55,7 +66,11 @@ class CostModel:
     t_token_s: float = PRIOR_T_TOKEN_S
     t_pull_block_s: float = PRIOR_T_PULL_BLOCK_S
     t_queue_s: float = PRIOR_T_QUEUE_S
-    samples: dict[str, int] = field(default_factory=lambda: {"token": 0, "pull": 0, "queue": 0})
+    t_host_block_s: float = PRIOR_T_HOST_BLOCK_S
+    t_disk_block_s: float = PRIOR_T_DISK_BLOCK_S
+    samples: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("token", "pull", "queue", "host", "disk"), 0)
+    )
 
     def observe(
         self,
@@ -68,6 +83,7 @@ class CostModel:
         read_blocks: int | None = None,
         block_size: int = 0,
         queue_s: float | None = None,
+        tier: tuple[str, int, float] | None = None,
     ) -> None:
         """Fold one finished request's TTFT (as its worker measured it) into the estimates.
         ``queue_len`` / ``backlog_tokens``: what was ahead of it on its worker when routed.
@@ -77,8 +93,17 @@ class CostModel:
         read's timeout then teaches the router to compute, not to keep pulling in vain.
         ``queue_s``: how long it waited to be scheduled, when the worker measured it: that
         wait is the queue's, never the prompt's (a request that computed 10 tokens after
-        waiting 0.4 s for a free sequence slot must not teach 40 ms per token)."""
+        waiting 0.4 s for a free sequence slot must not teach 40 ms per token).
+        ``tier``: (medium, blocks, seconds) of a load from the worker's own host or disk tier.
+        """
         queue_part = queue_len * self.t_queue_s if queue_s is None else queue_s
+        tier_part = 0.0
+        if tier is not None and tier[1] > 0:
+            medium, blocks, seconds = tier
+            key = f"t_{medium}_block_s"
+            setattr(self, key, _ema(getattr(self, key), seconds / blocks, self.samples[medium]))
+            self.samples[medium] += 1
+            tier_part = seconds
         read_blocks = pulled_blocks if read_blocks is None else read_blocks
         if read_blocks and pull_s is not None:
             failed_tokens = max(read_blocks - pulled_blocks, 0) * block_size
@@ -90,12 +115,12 @@ class CostModel:
         pull_part = pulled_blocks * self.t_pull_block_s if pull_s is None else pull_s
         if computed_tokens >= MIN_LEARN_TOKENS:
             tokens = computed_tokens + backlog_tokens
-            per_token = max(ttft_s - pull_part - queue_part, 0.0) / tokens
+            per_token = max(ttft_s - pull_part - tier_part - queue_part, 0.0) / tokens
             self.t_token_s = _ema(self.t_token_s, per_token, self.samples["token"])
             self.samples["token"] += 1
         if queue_len:
             if queue_s is None:
-                own = (computed_tokens + backlog_tokens) * self.t_token_s + pull_part
+                own = (computed_tokens + backlog_tokens) * self.t_token_s + pull_part + tier_part
                 queue_s = max(ttft_s - own, 0.0)
             self.t_queue_s = _ema(self.t_queue_s, queue_s / queue_len, self.samples["queue"])
             self.samples["queue"] += 1
@@ -212,8 +237,13 @@ class Router:
         )
         computing = min(others[peer].pending, n) if peer is not None else 0
         options = []
+        # Its own tiers: blocks past ``local`` in host memory, then on disk.
+        in_host = max(min(v.host_depth, n), local)
+        own = max(min(v.disk_depth, n), in_host)
+        load_s = (in_host - local) * self.cost.t_host_block_s
+        load_s += (own - in_host) * self.cost.t_disk_block_s
         reach = max(local, held[0]) if self.connector else local
-        duplicate = max(computing - reach, 0) if self.connector else 0
+        duplicate = max(computing - max(reach, own), 0) if self.connector else 0
         moved = max(reach - max(local, held[1]), 0)
         # Blocks this worker is still to receive count as local, but the request bringing
         # them may reach the worker after this one (another ingress routed it): this one
@@ -225,10 +255,14 @@ class Router:
                 source = deepest
             elif computing >= local:
                 source = peer
-        options.append(self._option(v, n, partial, local, reach, duplicate + moved, 0.0, source))
-        if reach > local:  # or compute what peers hold: faster than pulling over a slow link
-            options.append(self._option(v, n, partial, local, local, duplicate + moved, 0.0, None))
-        if self.connector and computing > reach:
+        if reach > own or source is not None:  # it pulls what a peer holds beyond its tiers
+            extra = duplicate + moved
+            options.append(self._option(v, n, partial, local, reach, extra, 0.0, source))
+        # Or its own tiers and compute the rest (what peers hold too: faster than pulling
+        # over a slow link).
+        own_opt = self._option(v, n, partial, own, own, duplicate + moved, 0.0, None, load_s)
+        options.append(dataclasses.replace(own_opt, local=local))
+        if self.connector and computing > max(reach, own):
             wait = others[peer].pending_wait_tokens * self.cost.t_token_s
             options.append(self._option(v, n, partial, local, computing, moved, wait, peer))
         return options
@@ -243,7 +277,10 @@ class Router:
         extra: int,
         wait_s: float,
         wait_for: str | None,
+        load_s: float = 0.0,
     ) -> _Option:
+        """Blocks up to ``local`` are the worker's own (``load_s`` to load those from its
+        tiers), up to ``reach`` pulled, the rest computed."""
         c, bs = self.cost, self.block_size
         pull = reach - local
         compute_tokens = (n - reach) * bs + partial
@@ -251,6 +288,7 @@ class Router:
             max(wait_s, v.backlog_tokens * c.t_token_s)
             + compute_tokens * c.t_token_s
             + pull * c.t_pull_block_s
+            + load_s
             + v.queue * c.t_queue_s
         )
         return _Option(ttft + extra * bs * c.t_token_s, ttft, local, pull, compute_tokens, wait_for)

@@ -32,7 +32,7 @@ from kvmesh.connector.cluster_connector import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
-from kvmesh.workers.outputs import StreamDelta
+from kvmesh.workers.outputs import RequestMetrics, StreamDelta
 from kvmesh.workers.worker_actor import worker_actor_class
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,23 @@ def pull_plan(plan: Plan | None, role: str) -> PullPlan | None:
     return PullPlan(None)  # nothing to pull: the prefix is here, or nowhere
 
 
+def _tier_load(m: RequestMetrics, block_size: int) -> tuple[str, int, float] | None:
+    """(medium, blocks, seconds) of a request's load from its worker's own tier, if any (a
+    load counts under the slowest medium it read)."""
+    for medium, tokens in (("disk", m.num_disk_hit_tokens), ("host", m.num_host_hit_tokens)):
+        if tokens >= block_size:
+            return medium, tokens // block_size, m.kv_load_s
+    return None
+
+
 def engine_config(config: ServeConfig) -> EngineConfig:
     return EngineConfig(
         model=config.model,
         block_size=config.block_size,
         kv_cache_memory=config.kv_cache_memory,
+        host_cache_memory=config.host_cache_memory,
+        disk_cache_dir=config.disk_cache_dir,
+        disk_cache_size=config.disk_cache_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         device=config.device,
@@ -219,6 +231,7 @@ class WorkerDeployment:
             queue_s=m.first_scheduled_time - m.arrival_time
             if m.first_scheduled_time is not None
             else None,
+            tier=_tier_load(m, self.config.block_size),
         )
 
     async def check_health(self) -> None:
@@ -240,6 +253,8 @@ class WorkerDeployment:
             "t_token_s": c.t_token_s,
             "t_pull_block_s": c.t_pull_block_s,
             "t_queue_s": c.t_queue_s,
+            "t_host_block_s": c.t_host_block_s,
+            "t_disk_block_s": c.t_disk_block_s,
             "samples": dict(c.samples),
             "at": time.time(),
         }

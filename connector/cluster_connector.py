@@ -123,6 +123,8 @@ class ClusterKvConnector(KvCacheConnector):
         self._flush_lock = threading.Lock()  # one batch in flight
         self._publisher = EventPublisher(self.worker_id)
         self._held: set[BlockHash] = set()  # mirror of the pool's cached hashes, for snapshots
+        # Mirrors of the local tiers' blocks (workers/kv_tiers.py), for snapshots.
+        self._tier_held: dict[str, set[BlockHash]] = {"host": set(), "disk": set()}
         self.stats: dict[str, float] = {
             "pull_s": 0.0,  # time inside transport reads, failed ones too
             "read_blocks": 0,  # blocks those reads asked for
@@ -258,10 +260,20 @@ class ClusterKvConnector(KvCacheConnector):
             self._publisher.on_store(list(hashes), None)
             self._held.update(hashes)
 
-    def on_evict(self, hashes: Sequence[BlockHash]) -> None:
+    def on_evict(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         with self._lock:
             self._publisher.on_remove(list(hashes))
             self._held.difference_update(hashes)
+
+    def on_tier_store(self, medium: str, hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            self._publisher.on_store(list(hashes), None, medium)
+            self._tier_held[medium].update(hashes)
+
+    def on_tier_remove(self, medium: str, hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            self._publisher.on_remove(list(hashes), medium)
+            self._tier_held[medium].difference_update(hashes)
 
     def on_clear(self) -> None:
         with self._lock:
@@ -353,12 +365,13 @@ class ClusterKvConnector(KvCacheConnector):
         )
 
     def _send_snapshot(self, reset: bool = False) -> int:
-        """Send every held hash; returns how many."""
+        """Send every held hash (the pool's, and the tiers'); returns how many in the pool."""
         with self._lock:
             # After a rejoin the snapshot already holds what is buffered: drop the buffer.
             next_seq = self._publisher.reset_for_snapshot() if reset else self._publisher.next_seq
             hashes = list(self._held)
-        self._call("apply_snapshot", self.worker_id, hashes, next_seq, self._token)
+            tiers = {m: list(held) for m, held in self._tier_held.items()}
+        self._call("apply_snapshot", self.worker_id, hashes, next_seq, self._token, tiers)
         self.stats["snapshots_sent"] += 1
         return len(hashes)
 

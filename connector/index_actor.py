@@ -164,11 +164,18 @@ class KvIndexActor:
         return out
 
     def apply_snapshot(
-        self, worker_id: str, hashes: list[bytes], next_seq: int, token: str | None
+        self,
+        worker_id: str,
+        hashes: list[bytes],
+        next_seq: int,
+        token: str | None,
+        tiers: Mapping[str, list[bytes]] | None = None,
     ) -> None:
-        """:meth:`KvIndex.apply_snapshot` (KeyError unknown, PermissionError wrong token)."""
+        """:meth:`KvIndex.apply_snapshot` (KeyError unknown, PermissionError wrong token):
+        ``hashes`` the device pool's, ``tiers`` ``{"host": [...], "disk": [...]}`` (a medium
+        left out, or ``tiers`` None, is emptied)."""
         with self._lock:
-            self._index.apply_snapshot(worker_id, hashes, next_seq, token)
+            self._index.apply_snapshot(worker_id, hashes, next_seq, token, tiers)
             self._last_seen[worker_id] = time.monotonic()
             self._changed.notify_all()
 
@@ -193,7 +200,8 @@ class KvIndexActor:
             return dropped
 
     def route_lookup(self, hashes: Sequence[bytes]) -> dict[str, Any]:
-        """:meth:`KvIndex.route_lookup` plus ``"incarnation"``."""
+        """:meth:`KvIndex.route_lookup` (``held``, ``tiers``, ``pending``, ...) plus
+        ``"incarnation"``."""
         with self._lock:
             return {"incarnation": self._incarnation, **self._index.route_lookup(hashes)}
 

@@ -1,14 +1,17 @@
-"""The cluster-wide KV block index: which worker holds which block, fed by event batches.
+"""The cluster-wide KV block index: which worker holds which block where, fed by event batches.
 
-``KvIndex`` maps ``hash -> workers`` and ``worker -> hashes``; a lookup walks a request's chain
-of block hashes and answers each worker's longest held prefix. Workers feed it numbered
-batches (connector/events.py); a gap in a worker's numbering freezes that worker until it sends
-a full snapshot. Answers are hints: a block can leave a worker right after a lookup.
+``KvIndex`` maps ``hash -> workers`` and ``worker -> hashes`` once per medium (``MEDIA``: device
+pool, host-memory tier, disk tier; connector/holder_sets.py). A lookup walks a request's chain
+of block hashes and answers each worker's longest prefix in its device pool (the only medium
+peers pull from); :meth:`KvIndex.tier_depths` how far its tiers reach beyond. Workers feed it
+numbered batches (connector/events.py); a gap in a worker's numbering freezes that worker until
+it sends a full snapshot. Answers are hints: a block can leave a worker right after a lookup.
 
 It also keeps *pending* entries (connector/pending_entries.py), shared routing state: "worker w
-is computing these leading blocks of a prompt now". A ``Stored`` of an entry's last block from
-its worker, or the worker's purge, ends it here. :meth:`KvIndex.route_lookup` answers both,
-held blocks and pending ones, so several ingress replicas see each other's in-flight prompts.
+is computing these leading blocks of a prompt now". A device ``Stored`` of an entry's last
+block from its worker, or the worker's purge, ends it here. :meth:`KvIndex.route_lookup`
+answers both, held blocks and pending ones, so several ingress replicas see each other's
+in-flight prompts.
 
 Workers are not trusted to be who they say (any Ray driver can call the index): ``register``
 hands out a secret token per worker, and every call that changes that worker's state (its
@@ -24,35 +27,26 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any, Literal
 
 from kvmesh.connector.events import (
     KIND_CLEARED,
     KIND_STORED,
+    MEDIA,
     MalformedBatch,
     Record,
     decode_records,
     require_block_hashes,
 )
-from kvmesh.connector.pending_entries import (
-    DEFAULT_PENDING_TTL_S,
-    PendingEntries,
-)
+from kvmesh.connector.holder_sets import HolderSets, cumulative_depths
+from kvmesh.connector.pending_entries import DEFAULT_PENDING_TTL_S, PendingEntries
 
 ApplyStatus = Literal["applied", "duplicate", "gap", "rejected"]
-
-# Holder sets are interned frozensets: the many blocks of a chain held by the same workers share
-# one object (memory), and a lookup skips a block whose holder set *is* the previous one.
-# The transition caches are only an optimisation, so they are simply dropped when they grow.
-_MAX_INTERNED = 1 << 16
+TIER_MEDIA = MEDIA[1:]  # the media a snapshot's ``tiers`` name: all but the device pool
 
 _COUNTERS = ("events_applied", "batches_applied", "batches_rejected", "duplicates", "gaps")
-_COUNTERS += (
-    "lookups",
-    "removes_ignored",
-    "unauthorized",  # calls and batches refused for a wrong or missing worker token
-)
+# unauthorized: calls and batches refused for a wrong or missing worker token
+_COUNTERS += ("lookups", "removes_ignored", "unauthorized")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +76,24 @@ class KvIndex:
       ``seq`` below the expected one is a duplicate (ignored); above it, a gap: it is not applied
       and the worker needs a snapshot, and until :meth:`apply_snapshot` every later batch is
       refused as a gap too. Malformed batches and batches of unknown workers are rejected.
+    - Each medium is its own set of blocks: an event changes only its own medium (``Cleared``
+      too); a purge, a re-registration or a snapshot changes all of them.
     - ``Stored`` of a held hash is a no-op; ``Removed`` of a hash not held is ignored (counted).
-    - :meth:`lookup` answers, per worker, the longest prefix of the chain it holds.
+    - :meth:`lookup` answers, per worker, the longest prefix of the chain in its device pool
+      (peers pull only from device pools; so do :meth:`holders` and :meth:`held_depth`), and
+      :meth:`tier_depths` how far its tiers extend it.
     - A pending entry lives until :meth:`drop_pending`, its ``ttl_s`` (on ``clock``), an applied
-      ``Stored`` (batch or snapshot) of its last hash by its worker, or its worker's purge.
-      Pending entries of unregistered workers are accepted: an index that just restarted learns
-      of its workers only as they rejoin.
+      device ``Stored`` (batch or snapshot) of its last hash by its worker, or its worker's
+      purge. Pending entries of unregistered workers are accepted: an index that just restarted
+      learns of its workers only as they rejoin.
     """
 
     def __init__(self, fingerprint: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
         self._clock = clock
-        self._holders: dict[bytes, frozenset[str]] = {}
-        self._blocks: dict[str, set[bytes]] = {}
+        self._media = {m: HolderSets() for m in MEDIA}
+        self._device = self._media["device"]
         self._workers: dict[str, _Worker] = {}
-        self._single: dict[str, frozenset[str]] = {}
-        self._with: dict[tuple[frozenset[str], str], frozenset[str]] = {}
-        self._without: dict[tuple[frozenset[str], str], frozenset[str]] = {}
-        self._sets: dict[frozenset[str], frozenset[str]] = {}
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._pending = PendingEntries(clock)
 
@@ -115,9 +109,10 @@ class KvIndex:
         """Admit a worker of this index's fingerprint, expecting its batch ``seq`` 0; returns
         its new secret token, which its later calls must carry.
 
-        A known ``worker_id`` is taken to be a new incarnation: its blocks are purged and its
-        numbering restarts at 0 (had we kept them, a restarted publisher's batches would all
-        look like duplicates; a live worker that merely re-registers gets a gap and a snapshot).
+        A known ``worker_id`` is taken to be a new incarnation: its blocks (every medium's) are
+        purged and its numbering restarts at 0 (had we kept them, a restarted publisher's
+        batches would all look like duplicates; a live worker that merely re-registers gets a
+        gap and a snapshot).
         Its pending entries stay: the prompts they stand for may still be running. Only the
         holder of its current ``token`` may re-register a known worker (else anyone could take
         its name over); the token changes.
@@ -133,10 +128,10 @@ class KvIndex:
             )
         if worker_id in self._workers:
             self.authorize(worker_id, token)
-        self._drop_blocks(worker_id)
+        for blocks in self._media.values():
+            blocks.reset_worker(worker_id)
         new_token = secrets.token_hex(16)
         self._workers[worker_id] = _Worker(fingerprint, dict(metadata or {}), new_token)
-        self._blocks[worker_id] = set()
         return new_token
 
     def check_token(self, worker_id: str, token: object) -> bool:
@@ -166,12 +161,11 @@ class KvIndex:
         return self.purge(worker_id)
 
     def purge(self, worker_id: str) -> bool:
-        """Forget a worker, its blocks and its pending entries in O(its blocks); False if it
-        was not registered."""
+        """Forget a worker, its blocks (every medium's) and its pending entries in O(its
+        blocks); False if it was not registered."""
         self._pending.drop_worker(worker_id)
-        self._drop_blocks(worker_id)
-        self._blocks.pop(worker_id, None)
-        self._single.pop(worker_id, None)
+        for blocks in self._media.values():
+            blocks.drop_worker(worker_id)
         return self._workers.pop(worker_id, None) is not None
 
     def needs_snapshot(self, worker_id: str) -> bool:
@@ -218,89 +212,54 @@ class KvIndex:
         return ApplyResult("applied", worker_id, seq)
 
     def apply_snapshot(
-        self, worker_id: str, hashes: Iterable[bytes], next_seq: int, token: str | None
+        self,
+        worker_id: str,
+        hashes: Iterable[bytes],
+        next_seq: int,
+        token: str | None,
+        tiers: Mapping[str, Iterable[bytes]] | None = None,
     ) -> None:
         """Replace a worker's blocks wholesale, clear its gap, expect ``next_seq`` next.
 
-        Raises KeyError for an unknown worker, PermissionError for a wrong token and
-        ValueError for a bad hash or ``next_seq``; on error nothing changes.
+        ``hashes`` are its device pool's blocks; ``tiers`` maps ``"host"`` and ``"disk"`` to its
+        tiers' blocks. Wholesale means every medium: one missing from ``tiers`` (or ``tiers``
+        None) is emptied. Raises KeyError for an unknown worker, PermissionError for a wrong
+        token and ValueError for a bad hash, ``tiers`` key or ``next_seq``; on error nothing
+        changes.
         """
         state = self._workers[worker_id]
         self.authorize(worker_id, token)
-        new = set(hashes)
-        require_block_hashes(new, "snapshot")
+        tiers = {} if tiers is None else tiers
+        if not isinstance(tiers, Mapping) or not set(tiers) <= set(TIER_MEDIA):
+            raise ValueError(f"tiers must map {TIER_MEDIA} to hashes, got {tiers!r:.80}")
+        new = {"device": set(hashes)}
+        new.update((m, set(tiers.get(m, ()))) for m in TIER_MEDIA)
+        for medium, blocks in new.items():
+            require_block_hashes(blocks, f"snapshot {medium}")
         if type(next_seq) is not int or next_seq < 0:
             raise ValueError(f"next_seq must be a non-negative int, got {next_seq!r}")
-        mine = self._blocks[worker_id]
-        self._remove(worker_id, mine - new)
-        self._add(worker_id, new - mine)
+        for medium, blocks in new.items():
+            self._media[medium].replace(worker_id, blocks)
         state.expected_seq = next_seq
         state.needs_snapshot = False
-        self._pending.stored(worker_id, new)
+        self._pending.stored(worker_id, new["device"])
 
     def _apply_records(self, worker_id: str, records: list[Record]) -> None:
-        events = 0
-        for kind, hashes, _parent in records:
+        events = ignored = 0
+        media = self._media
+        for kind, hashes, _parent, medium in records:
+            blocks = media[medium]
             if kind == KIND_STORED:
-                self._add(worker_id, set(hashes).difference(self._blocks[worker_id]))
-                self._pending.stored(worker_id, hashes)
+                blocks.store(worker_id, hashes)
+                if blocks is self._device:
+                    self._pending.stored(worker_id, hashes)
             elif kind == KIND_CLEARED:
-                self._drop_blocks(worker_id)
+                blocks.clear(worker_id)
             else:
-                held = self._blocks[worker_id].intersection(hashes)
-                self._counts["removes_ignored"] += len(hashes) - len(held)
-                self._remove(worker_id, held)
+                ignored += blocks.remove(worker_id, hashes)
             events += len(hashes) or 1
+        self._counts["removes_ignored"] += ignored
         self._counts["events_applied"] += events
-
-    def _add(self, worker_id: str, new: set[bytes]) -> None:
-        """Add ``new`` (hashes the worker does not hold yet) to its blocks."""
-        if not new:
-            return
-        single = self._single.get(worker_id)
-        if single is None:
-            single = self._single[worker_id] = frozenset((worker_id,))
-        holders, with_, get = self._holders, self._with, self._holders.get
-        for h in new:
-            s = get(h)
-            if s is None:
-                holders[h] = single
-            else:
-                t = with_.get((s, worker_id))
-                if t is None:
-                    if len(with_) > _MAX_INTERNED:
-                        with_.clear()
-                    t = with_[(s, worker_id)] = self._intern(s | single)
-                holders[h] = t
-        self._blocks[worker_id] |= new
-
-    def _remove(self, worker_id: str, gone: Iterable[bytes]) -> None:
-        """Remove ``gone`` (hashes the worker holds) from its blocks."""
-        holders, without = self._holders, self._without
-        mine = self._blocks[worker_id]
-        for h in gone:
-            s = holders[h]
-            if len(s) == 1:
-                del holders[h]
-            else:
-                t = without.get((s, worker_id))
-                if t is None:
-                    if len(without) > _MAX_INTERNED:
-                        without.clear()
-                    t = without[(s, worker_id)] = self._intern(s - {worker_id})
-                holders[h] = t
-            mine.discard(h)
-
-    def _intern(self, holders: frozenset[str]) -> frozenset[str]:
-        """The one shared object equal to ``holders`` (whichever order workers arrived in)."""
-        if len(self._sets) > _MAX_INTERNED:
-            self._sets.clear()
-        return self._sets.setdefault(holders, holders)
-
-    def _drop_blocks(self, worker_id: str) -> None:
-        mine = self._blocks.get(worker_id)
-        if mine:
-            self._remove(worker_id, list(mine))
 
     # -- pending entries (connector/pending_entries.py) ----------------------------------------
 
@@ -336,28 +295,27 @@ class KvIndex:
         return self._pending.entries()
 
     def held_depth(self, worker_id: str, hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of ``hashes`` ``worker_id`` holds (0 if unknown)."""
-        mine = self._blocks.get(worker_id)
-        if not mine:
-            return 0
-        for i, h in enumerate(hashes):
-            if h not in mine:
-                return i
-        return len(hashes)
+        """How many leading blocks of ``hashes`` ``worker_id`` holds in its device pool (0 if
+        unknown)."""
+        return self._device.held_depth(worker_id, hashes)
 
     def route_lookup(self, hashes: Sequence[bytes]) -> dict[str, dict]:
         """What a router needs to place a prompt with block hashes ``hashes``.
 
-        ``{"held": {worker: depth}, "pending": {worker: {"depth": d, "wait_tokens": t}},
-        "backlog": {worker: tokens}}``: ``held`` is :meth:`lookup`; for each worker with a
-        pending entry sharing leading blocks with ``hashes``, ``depth`` is the most leading
-        blocks one of its entries covers and ``wait_tokens`` its pending tokens of the entries
-        added up to and including the first such entry (a worker computes its prompts in
-        order); ``backlog`` is each worker's pending tokens over all its entries and ``queued``
-        how many entries it has (every router's prompts routed there and not yet computed).
+        ``{"held": {worker: depth}, "tiers": {worker: {"device": d0, "host": d1, "disk": d2}},
+        "pending": {worker: {"depth": d, "wait_tokens": t}}, "backlog": {worker: tokens},
+        "queued": {worker: n}, "last_pending_id": id}``: ``held`` is :meth:`lookup` (device
+        pools), ``tiers`` :meth:`tier_depths`; for each worker with a pending entry sharing
+        leading blocks with ``hashes``, ``depth`` is the most leading blocks one of its entries
+        covers and ``wait_tokens`` its pending tokens of the entries added up to and including
+        the first such entry (a worker computes its prompts in order); ``backlog`` is each
+        worker's pending tokens over all its entries and ``queued`` how many entries it has
+        (every router's prompts routed there and not yet computed).
         """
+        held = self.lookup(hashes)
         return {
-            "held": self.lookup(hashes),
+            "held": held,
+            "tiers": cumulative_depths(self._media, hashes, held),
             **self._pending.summary(hashes),
             "last_pending_id": self._pending.last_id,
         }
@@ -365,56 +323,44 @@ class KvIndex:
     # -- queries ---------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], exclude: str | None = None) -> dict[str, int]:
-        """``{worker: n}``: the first ``n >= 1`` blocks of ``hashes`` are held by that worker.
-
-        Workers holding none of the prefix are absent; ``exclude`` (the asking worker) is never
-        answered. The walk stops at the first block no remaining candidate holds.
-        """
+        """``{worker: n}``: the first ``n >= 1`` blocks of ``hashes`` are in that worker's device
+        pool. Workers holding none of the prefix are absent; ``exclude`` (the asking worker) is
+        never answered. The walk stops at the first block no remaining candidate holds."""
         self._counts["lookups"] += 1
-        if not hashes:
-            return {}
-        get = self._holders.get
-        prev = get(hashes[0])
-        if not prev:
-            return {}
-        alive = set(prev)
-        if exclude is not None:
-            alive.discard(exclude)
-        if not alive:
-            return {}
-        depths: dict[str, int] = {}
-        depth = len(hashes)
-        # Invariant: alive <= prev. Interned holder sets make the common case, a chain held by
-        # the same workers, one identity test per block; map() keeps the walk in C otherwise.
-        for i, s in enumerate(map(get, islice(hashes, 1, None)), 1):
-            if s is not prev:
-                if s is None:
-                    depth = i
-                    break
-                prev = s
-                if not alive <= s:
-                    for w in alive - s:
-                        depths[w] = i
-                    alive &= s
-                    if not alive:
-                        break
-        for w in alive:
-            depths[w] = depth
-        return depths
+        return self._device.lookup(hashes, exclude)
+
+    def tier_depths(self, hashes: Sequence[bytes]) -> dict[str, dict[str, int]]:
+        """``{worker: {"device": d0, "host": d1, "disk": d2}}``, cumulative leading depths: the
+        first ``d0`` blocks of ``hashes`` are in that worker's device pool, the first ``d1`` in
+        its pool or host tier, the first ``d2`` in any medium (``d0 <= d1 <= d2``). Only workers
+        whose tiers reach further than their pool (``d2 > d0``) are listed; :meth:`lookup`
+        describes the others fully. See :func:`cumulative_depths` for the cost."""
+        return cumulative_depths(self._media, hashes, self._device.lookup(hashes))
 
     def holders(self, block_hash: bytes) -> set[str]:
-        """The workers holding ``block_hash`` (a copy)."""
-        return set(self._holders.get(block_hash, ()))
+        """The workers holding ``block_hash`` in their device pool (a copy)."""
+        return set(self._device.holders(block_hash))
 
     def snapshot(self) -> dict[str, list[bytes]]:
-        """Each registered worker's hashes, sorted."""
-        return {w: sorted(self._blocks[w]) for w in self._workers}
+        """Each registered worker's device hashes, sorted."""
+        return {w: sorted(self._device.blocks(w)) for w in self._workers}
+
+    def snapshot_media(self) -> dict[str, dict[str, list[bytes]]]:
+        """Each registered worker's hashes per medium, sorted: ``{worker: {medium: [...]}}``."""
+        return {w: {m: sorted(b.blocks(w)) for m, b in self._media.items()} for w in self._workers}
 
     def stats(self) -> dict[str, int]:
-        """Counters; ``events_applied`` counts block entries (a ``Cleared`` counts one)."""
+        """Counters; ``events_applied`` counts block entries (a ``Cleared`` counts one).
+
+        ``blocks`` (distinct hashes) and ``entries`` ((worker, hash) pairs) count device pools;
+        ``host_blocks`` / ``host_entries`` and ``disk_blocks`` / ``disk_entries`` the tiers.
+        """
+        tiers = {f"{m}_blocks": len(self._media[m]) for m in TIER_MEDIA}
+        tiers.update((f"{m}_entries", self._media[m].entries()) for m in TIER_MEDIA)
         return {
-            "blocks": len(self._holders),
-            "entries": sum(map(len, self._blocks.values())),
+            "blocks": len(self._device),
+            "entries": self._device.entries(),
+            **tiers,
             "workers": len(self._workers),
             "workers_needing_snapshot": sum(s.needs_snapshot for s in self._workers.values()),
             "pending": len(self._pending),
@@ -423,13 +369,8 @@ class KvIndex:
         }
 
     def check_integrity(self) -> None:
-        """Assert that ``hash -> workers`` and ``worker -> hashes`` mirror each other."""
-        assert set(self._blocks) == set(self._workers), "blocks and workers disagree"
-        entries = 0
-        for h, ws in self._holders.items():
-            assert ws, f"empty holder set for {h.hex()}"
-            for w in ws:
-                assert h in self._blocks[w], f"{w} listed as holder of {h.hex()} but lacks it"
-            entries += len(ws)
-        assert entries == sum(map(len, self._blocks.values())), "a worker holds an unlisted hash"
+        """Assert that, in every medium, ``hash -> workers`` and ``worker -> hashes`` mirror each
+        other and cover exactly the registered workers."""
+        for medium, blocks in self._media.items():
+            blocks.check_integrity(self._workers, medium)
         self._pending.check_integrity()

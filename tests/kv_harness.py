@@ -7,6 +7,7 @@ So ``check_kv`` proves that no request ever reads a block holding another prefix
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kvmesh.workers.kv_cache_manager import Allocation, KVCacheManager
@@ -48,8 +49,20 @@ class KvHarness:
         if alloc is None:
             return None
         req.num_kv_tokens = alloc.num_kv_tokens
+        if alloc.num_loading_tokens:  # a background load: wait for it, as the request does
+            req.num_kv_tokens += self.wait_load(req)
         self.compute(req, req.num_tokens - req.num_kv_tokens)
         return alloc
+
+    def wait_load(self, req: Request, timeout_s: float = 10.0) -> int:
+        """Poll until ``req``'s background load ends; the tokens it loaded."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for outcome in self.manager.poll_loads():
+                assert outcome.request is req and not outcome.restart
+                return outcome.num_loaded_tokens
+            time.sleep(0.001)
+        raise AssertionError(f"{req.request_id}: its load never ended")
 
     def decode(self, req: Request, token: int) -> bool:
         """Append a sampled token and compute it; when the pool is full, preempt instead.

@@ -104,6 +104,7 @@ def call(port: int, method: str, path: str, body: Any = None, **headers: str) ->
 def check_kvmesh(kv: dict[str, Any], usage: Any) -> None:
     """The ``kvmesh`` object accounts for every prompt token, and agrees with ``usage``."""
     assert kv["worker"] == "local-0" and kv["ttft_ms"] >= 0
-    hit, pulled = kv["local_hit_tokens"], kv["pulled_tokens"]
+    hit = kv["local_hit_tokens"] + kv["host_hit_tokens"] + kv["disk_hit_tokens"]
+    pulled = kv["pulled_tokens"]
     assert hit + pulled + kv["computed_tokens"] == usage.prompt_tokens
     assert hit + pulled == usage.prompt_tokens_details.cached_tokens

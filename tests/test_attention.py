@@ -20,7 +20,8 @@ from kvmesh.workers.attention import (
 )
 from kvmesh.workers.cascade_attention import find_shared_prefix
 from kvmesh.workers.cpu_kernels import kernel_library
-from kvmesh.workers.kv_cache import KVCache, parse_memory
+from kvmesh.workers.kv_cache import KVCache
+from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model_config import ModelConfig
 
 D = 16

@@ -40,7 +40,7 @@ class RecordingConnector(InMemoryKvCacheConnector):
         super().on_store(hashes, block_ids)
         self.calls.append(("store", list(block_ids)))
 
-    def on_evict(self, hashes: Sequence[BlockHash]) -> None:
+    def on_evict(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         self.calls.append(("evict", len(hashes)))
 
     def on_clear(self) -> None:

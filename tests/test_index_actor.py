@@ -87,6 +87,32 @@ def test_events_and_lookups_through_the_actor(fingerprint: str) -> None:
     ray.kill(index)
 
 
+def test_tiers_through_the_actor(fingerprint: str) -> None:
+    """Media travel through the actor: ``route_lookup`` carries ``tiers``, ``apply_snapshot``
+    takes them (positionally too, as the connector passes them)."""
+    index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
+    _, token = ray.get(index.register.remote("a", fingerprint))
+    pub = EventPublisher("a")
+    pub.on_store(BASE[:4], None)
+    pub.on_remove(BASE[2:4])  # evicted from the pool into the host tier
+    pub.on_store(BASE[2:4], BASE[1], "host")
+    assert ray.get(index.apply.remote(pub.drain(), token)) == "applied"
+    got = ray.get(index.route_lookup.remote(BASE))
+    assert got["held"] == {"a": 2}
+    assert got["tiers"] == {"a": {"device": 2, "host": 4, "disk": 4}}
+    seq = pub.reset_for_snapshot()
+    ray.get(index.apply_snapshot.remote("a", BASE[:1], seq, token, {"disk": BASE[1:6]}))
+    got = ray.get(index.route_lookup.remote(BASE))
+    assert got["tiers"] == {"a": {"device": 1, "host": 1, "disk": 6}}
+    stats = ray.get(index.stats.remote())
+    assert (stats["entries"], stats["host_entries"], stats["disk_entries"]) == (1, 0, 5)
+    with pytest.raises(ValueError, match="tiers"):
+        ray.get(index.apply_snapshot.remote("a", [], seq, token, tiers={"gpu": []}))
+    ray.get(index.apply_snapshot.remote("a", BASE[:1], seq, token))  # no tiers: emptied
+    assert ray.get(index.route_lookup.remote(BASE))["tiers"] == {}
+    ray.kill(index)
+
+
 def test_killed_worker_actor_is_purged(fingerprint: str) -> None:
     index = get_index_actor(fingerprint, heartbeat_timeout_s=None, check_interval_s=0.1)
     alive, doomed = DummyWorker.remote(), DummyWorker.remote()
@@ -146,6 +172,7 @@ def test_incarnation_and_restart_empty(fingerprint: str) -> None:
     assert got == {
         "incarnation": first,
         "held": {},
+        "tiers": {},
         "pending": {"w": {"depth": 4, "wait_tokens": 16}},
         "backlog": {"w": 16},
         "queued": {"w": 1},

@@ -61,8 +61,8 @@ class Index(KvIndex):
     def apply(self, data, token=None):
         return super().apply(data, self.tokens)
 
-    def apply_snapshot(self, worker_id, hashes, next_seq, token=None) -> None:
-        super().apply_snapshot(worker_id, hashes, next_seq, self.tokens.get(worker_id))
+    def apply_snapshot(self, worker_id, hashes, next_seq, token=None, tiers=None) -> None:
+        super().apply_snapshot(worker_id, hashes, next_seq, self.tokens.get(worker_id), tiers)
 
 
 def index_with(**held: list[bytes]) -> KvIndex:
@@ -136,7 +136,7 @@ def pack(*obj) -> bytes:
     return msgpack.packb(list(obj), use_bin_type=True)
 
 
-GOOD = [1, [BASE[0]], None]
+GOOD = [1, [BASE[0]], None, 0]  # Stored, device
 MALFORMED = {
     "not msgpack": b"\xc1\xff",
     "truncated": batch("a", 1, Stored(tuple(BASE)))[:-3],
@@ -152,12 +152,12 @@ MALFORMED = {
     "seq negative": pack(SCHEMA_VERSION, "a", -1, [GOOD]),
     "seq float": pack(SCHEMA_VERSION, "a", 1.0, [GOOD]),
     "events not list": pack(SCHEMA_VERSION, "a", 1, GOOD),
-    "unknown kind": pack(SCHEMA_VERSION, "a", 1, [GOOD, [9, [BASE[1]]]]),
-    "short hash": pack(SCHEMA_VERSION, "a", 1, [GOOD, [1, [BASE[1], BASE[2][:15]], None]]),
-    "str hash": pack(SCHEMA_VERSION, "a", 1, [[2, ["x" * 16]]]),
-    "empty hashes": pack(SCHEMA_VERSION, "a", 1, [[1, [], None]]),
-    "short parent": pack(SCHEMA_VERSION, "a", 1, [[1, [BASE[1]], b"x"]]),
-    "extra field": pack(SCHEMA_VERSION, "a", 1, [[3, None]]),
+    "unknown kind": pack(SCHEMA_VERSION, "a", 1, [GOOD, [9, [BASE[1]], 0]]),
+    "short hash": pack(SCHEMA_VERSION, "a", 1, [GOOD, [1, [BASE[1], BASE[2][:15]], None, 0]]),
+    "str hash": pack(SCHEMA_VERSION, "a", 1, [[2, ["x" * 16], 0]]),
+    "empty hashes": pack(SCHEMA_VERSION, "a", 1, [[1, [], None, 0]]),
+    "short parent": pack(SCHEMA_VERSION, "a", 1, [[1, [BASE[1]], b"x", 0]]),
+    "extra field": pack(SCHEMA_VERSION, "a", 1, [[3, 0, None]]),
     "event not list": pack(SCHEMA_VERSION, "a", 1, [GOOD, 3]),
 }
 
@@ -310,7 +310,7 @@ def test_pending_lookup_depth_wait_tokens_and_backlog() -> None:
     p4 = idx.add_pending("c", chain(b"other", 3), 5)  # not registered: accepted
     assert len({p1, p2, p3, p4}) == 4
     got = idx.route_lookup(BASE)
-    assert got["held"] == {"a": 3, "b": 2}
+    assert got["held"] == {"a": 3, "b": 2} and got["tiers"] == {}  # no tiers: all in held
     # a: p1 shares 6 blocks (wait 100); p2 shares 10 (wait 100 + 40): the deepest wins.
     assert got["pending"] == {
         "a": {"depth": 10, "wait_tokens": 140},
@@ -322,6 +322,7 @@ def test_pending_lookup_depth_wait_tokens_and_backlog() -> None:
     assert idx.pending_depth("a", FORK8) == 8 and idx.pending_depth("zzz", FORK8) == 0
     assert idx.route_lookup([]) == {
         "held": {},
+        "tiers": {},
         "pending": {},
         "backlog": got["backlog"],
         "queued": {"a": 2, "b": 1, "c": 1},

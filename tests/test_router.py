@@ -191,3 +191,45 @@ def test_cost_model_learns_from_observations() -> None:
     # A few tokens in a step measure the step, not the tokens: no sample.
     cost.observe(ttft_s=0.01, computed_tokens=10, pulled_blocks=0, queue_len=0)
     assert cost.t_token_s == pytest.approx(1e-3, rel=1e-3) and cost.samples["token"] == 150
+
+
+def test_kv_aware_charges_each_tier_its_cost() -> None:
+    """b holds the prompt on its disk tier, c in its pool, a nothing: each medium at its
+    measured cost against computing and pulling."""
+    tokens = 64 * BS + 5
+    r = Router("kv_aware", BS)
+    r.cost.t_token_s, r.cost.t_pull_block_s = 1e-3, 5e-3
+    r.cost.t_disk_block_s = 2e-3
+    tiered = {"b": WorkerView(host_depth=0, disk_depth=64)}
+    c = r.choose(["a", "b"], tiered, tokens)
+    assert (c.worker, c.local_blocks, c.pull_blocks, c.compute_tokens) == ("b", 0, 0, 5)
+    assert c.estimated_ttft_s == pytest.approx(64 * 2e-3 + 5e-3)
+    # A disk slower than computing: b still serves it from disk (its connector loads what
+    # its tiers hold), so a, computing everything, wins.
+    r.cost.t_disk_block_s = 0.1
+    assert r.choose(["a", "b"], tiered, tokens).worker == "a"
+    # Host memory beats a peer's pool, which beats b's slow disk.
+    r.cost.t_host_block_s = 1e-4
+    views = {"b": WorkerView(disk_depth=64), "c": WorkerView(host_depth=64, disk_depth=64)}
+    views["d"] = WorkerView(depth=64, queue=40)  # holds it in its pool, but busy
+    c = r.choose(["a", "b", "c", "d"], views, tokens)
+    assert c.worker == "c" and c.pull_blocks == 0
+    # Part in its pool, the next part in host memory, the rest on disk.
+    r.cost.t_disk_block_s = 2e-3
+    v = WorkerView(depth=10, host_depth=30, disk_depth=64)
+    c = r.choose(["b"], {"b": v}, tokens)
+    expect = 20 * 1e-4 + 34 * 2e-3 + 5e-3
+    assert c.local_blocks == 10 and c.estimated_ttft_s == pytest.approx(expect)
+    # A peer's pool holding more than the tiers: the worker pulls it all from the peer.
+    views = {"b": WorkerView(disk_depth=20), "c": WorkerView(depth=64, queue=40)}
+    c = r.choose(["b"], views, tokens)
+    assert c.pull_blocks == 64 and c.local_blocks == 0
+
+
+def test_cost_model_learns_tier_costs() -> None:
+    m = CostModel()
+    m.observe(0.5, 100, 0, 0, tier=("disk", 50, 0.1))
+    assert m.t_disk_block_s == pytest.approx(0.002) and m.samples["disk"] == 1
+    assert m.t_token_s == pytest.approx(0.4 / 100)  # the load's time is not the prompt's
+    m.observe(0.1, 0, 0, 0, tier=("host", 100, 0.01))
+    assert m.t_host_block_s == pytest.approx(1e-4) and m.samples["host"] == 1

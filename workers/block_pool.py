@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from kvmesh.workers.block_hash import BlockHash
 
-EvictListener = Callable[[list[BlockHash]], None]
+# (hashes, block ids): called before the blocks are handed out, while they still hold that KV.
+EvictListener = Callable[[list[BlockHash], list[int]], None]
 
 
 @dataclass(eq=False)
@@ -96,17 +97,19 @@ class BlockPool:
             raise ValueError(f"cannot get {n} blocks: only {len(self.free_queue)} are free")
         out: list[KVBlock] = []
         evicted: list[BlockHash] = []
+        evicted_ids: list[int] = []
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                evicted_ids.append(block.block_id)
                 self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
         if evicted:
             self.num_evictions += len(evicted)
             if self.on_evict is not None:
-                self.on_evict(evicted)
+                self.on_evict(evicted, evicted_ids)
         return out
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:

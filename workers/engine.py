@@ -20,10 +20,12 @@ from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.engine_config import EngineConfig
-from kvmesh.workers.kv_cache import KVCache, parse_memory
+from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.kv_cache_manager import KVCacheManager
-from kvmesh.workers.kv_connector import KvCacheConnector, PullPlan
+from kvmesh.workers.kv_connector import KvCacheConnector, NoopKvCacheConnector, PullPlan
+from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.loader import load_weights
+from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model import LlamaForCausalLM
 from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
@@ -31,6 +33,7 @@ from kvmesh.workers.request import Request
 from kvmesh.workers.sampler import sample
 from kvmesh.workers.sampling_params import SamplingParams
 from kvmesh.workers.scheduler import Scheduler, SchedulerConfig
+from kvmesh.workers.tiered_connector import TieredKvConnector
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +134,14 @@ class LLMEngine:
         )
         if connector is not None and not isinstance(connector, KvCacheConnector):
             connector = connector(ConnectorContext(worker_id, self.kv_cache, self.fingerprint))
+        tiers = config.tier_config
+        if tiers.enabled:  # the local tiers sit in front of any other connector
+            connector = TieredKvConnector(
+                connector or NoopKvCacheConnector(),
+                KvTiers(tiers, self.fingerprint.id, self.kv_cache.block_bytes_all_layers),
+                self.kv_cache.read_block,
+                self.kv_cache.write_block,
+            )
         self.kv = KVCacheManager(
             num_blocks, config.block_size, connector, config.enable_prefix_caching
         )
@@ -288,6 +299,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Close the connector (its threads; the disk tier finishes its queued writes)."""
+        self.kv.connector.close()
 
     # -- the step ---------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.workers.kv_tiers import TierConfig
+from kvmesh.workers.memory_size import parse_memory
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,6 +31,11 @@ class EngineConfig:
     # as stored instead of its float32 copy (workers/qmatmul.py); same values, ~6x fewer bytes.
     quantized_matmul: bool = True
     seed: int = 0  # seeds requests that bring no seed of their own
+    # Tiers for blocks the pool evicts (workers/kv_tiers.py): host memory, then local disk
+    # (files under disk_cache_dir/<fingerprint id>/, kept across restarts). 0 / None: off.
+    host_cache_memory: str | int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_size: str | int = "4GiB"  # used only with disk_cache_dir
     progress: bool = True  # a progress bar while weights load
 
     def __post_init__(self) -> None:
@@ -39,6 +47,26 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        _ = self.tier_config  # validates the tier settings
+
+    @property
+    def tier_config(self) -> TierConfig:
+        """The tiers' byte budgets (ValueError naming the setting when one is wrong)."""
+        sizes = {}
+        for name in ("host_cache_memory", "disk_cache_size"):
+            try:
+                sizes[name] = parse_memory(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        if self.disk_cache_dir is not None and not (
+            isinstance(self.disk_cache_dir, str) and self.disk_cache_dir
+        ):
+            raise ValueError(f"disk_cache_dir: must be a path, got {self.disk_cache_dir!r}")
+        return TierConfig(
+            host_bytes=sizes["host_cache_memory"],
+            disk_dir=self.disk_cache_dir,
+            disk_bytes=sizes["disk_cache_size"] if self.disk_cache_dir else 0,
+        )
 
     @property
     def resolved_device(self) -> str:

@@ -59,6 +59,7 @@ class Allocation:
     num_loaded_tokens: int = 0
     # Tokens a background load is filling: the request waits until ``poll_loads`` says.
     num_loading_tokens: int = 0
+    loaded_medium: str = "peer"  # where the loaded tokens came from (``LoadResult.medium``)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -75,6 +76,7 @@ class LoadOutcome:
     # The load's blocks are quarantined: the request now holds no blocks and starts over,
     # computing its prefix (``request.may_pull`` is False).
     restart: bool = False
+    medium: str = "peer"  # where the loaded tokens came from (``LoadResult.medium``)
 
 
 @dataclass
@@ -225,7 +227,9 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = n_local + num_loaded
         if n_local or num_loaded:
             self.connector.on_hit(request.request_id, n_local, num_loaded)
-        return Allocation(tuple(new_blocks[num_loaded:]), n_local * bs, num_loaded * bs)
+        return Allocation(
+            tuple(new_blocks[num_loaded:]), n_local * bs, num_loaded * bs, 0, result.medium
+        )
 
     def _start_load(self, request: Request, blocks: list[KVBlock], start: int) -> LoadResult | None:
         """Have the connector fill ``blocks`` (fresh, this request's): its result when it
@@ -281,7 +285,7 @@ class KVCacheManager:
             self.num_cached_blocks[rid] = load.num_local_blocks + n
             if load.num_local_blocks or n:
                 self.connector.on_hit(rid, load.num_local_blocks, n)
-            out.append(LoadOutcome(load.request, n * self.block_size))
+            out.append(LoadOutcome(load.request, n * self.block_size, medium=result.medium))
         return out
 
     def _release(self, blocks: list[KVBlock], busy: list[KVBlock], result: LoadResult) -> None:

@@ -25,6 +25,10 @@ that talks to peers does that on threads of its own.
    stopped; the manager keeps those blocks out of use (quarantined; the request gets others)
    until a later result for the same ``load_id`` comes with ``writing=False``.
 4. ``on_hit``, ``on_store``, ``on_evict``, ``on_clear``: observations, after the fact.
+   ``on_evict`` comes before the evicted blocks are reused: their bytes can still be read
+   (the local tiers copy them out then, ``tiered_connector.py``).
+5. ``on_tier_store`` / ``on_tier_remove``: blocks entered or left a local tier ("host",
+   "disk"), from any thread; a connector that tells an index passes them on.
 
 A request whose load is in flight can be aborted: its blocks stay allocated until the load's
 result comes, so no transfer ever writes into a block that was handed to someone else.
@@ -74,17 +78,22 @@ class PullPlan:
         return PullPlan(self.holder, max(0, self.depth - num_blocks))
 
 
+LOAD_MEDIA = ("peer", "host", "disk")
+
+
 @dataclass(frozen=True)
 class LoadResult:
     """How a load ended: ``num_blocks`` leading blocks filled with the right KV (0: failed).
 
     ``writing``: failed, and a transfer may still write its blocks; a later result for the
-    same ``load_id`` with ``writing=False`` says it has stopped.
+    same ``load_id`` with ``writing=False`` says it has stopped. ``medium``: where the blocks
+    came from: a peer's pool (pulled), or this worker's host or disk tier (the slowest read).
     """
 
     load_id: int
     num_blocks: int
     writing: bool = False
+    medium: str = "peer"
 
 
 class KvCacheConnector(ABC):
@@ -141,8 +150,15 @@ class KvCacheConnector(ABC):
     def on_store(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         """Full blocks were computed (or loaded) and registered in the local prefix cache."""
 
-    def on_evict(self, hashes: Sequence[BlockHash]) -> None:
-        """Cached blocks were evicted from the local pool (their ids are being reused)."""
+    def on_evict(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        """Cached blocks are evicted from the local pool: ``block_ids`` are about to be
+        reused, and still hold the KV of ``hashes`` during this call."""
+
+    def on_tier_store(self, medium: str, hashes: Sequence[BlockHash]) -> None:
+        """Blocks entered a local tier (``medium``: "host" or "disk"). Any thread."""
+
+    def on_tier_remove(self, medium: str, hashes: Sequence[BlockHash]) -> None:
+        """Blocks left a local tier. Any thread."""
 
     def on_clear(self) -> None:
         """The local prefix cache was reset."""
@@ -231,7 +247,7 @@ class InMemoryKvCacheConnector(KvCacheConnector):
         while self.capacity is not None and len(self.store) > self.capacity:
             self.store.popitem(last=False)
 
-    def on_evict(self, hashes: Sequence[BlockHash]) -> None:
+    def on_evict(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         self.stats["evicted_blocks"] += len(hashes)
 
     def on_clear(self) -> None:

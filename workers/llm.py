@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -83,9 +84,15 @@ class LLM:
                         if delta.finish_reason is not None:
                             pending.discard(delta.request_id)
                         yield delta
+                if not self.engine.last_batch_size:  # every request waits for a load
+                    time.sleep(0.0005)
         finally:
             for rid in pending:  # the caller stopped early: free what is left
                 self.engine.abort(rid)
+
+    def close(self) -> None:
+        """Stop the engine's connector threads (the disk tier finishes its writes first)."""
+        self.engine.close()
 
     def chat(
         self,

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 class RequestMetrics:
     """Where the prompt's KV came from, and how long the first token took.
 
-    ``num_local_hit_tokens`` were hit in the local prefix cache, ``num_pulled_tokens`` came
-    through the connector, ``num_computed_tokens`` were computed: the three add up to the
-    prompt length, plus the resumed tokens of a resumed request (counted at the request's
-    first scheduling).
+    ``num_local_hit_tokens`` were hit in the local pool (the device's prefix cache),
+    ``num_host_hit_tokens`` / ``num_disk_hit_tokens`` were loaded from this worker's host or
+    disk tier, ``num_pulled_tokens`` were pulled from a peer, ``num_computed_tokens`` were
+    computed: they add up to the prompt length, plus the resumed tokens of a resumed request
+    (counted at the request's scheduling that yields the first token).
     """
 
     arrival_time: float
@@ -21,8 +22,12 @@ class RequestMetrics:
     finished_time: float | None = None
     num_local_hit_tokens: int = 0
     num_pulled_tokens: int = 0
+    num_host_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Seconds from starting the load of the loaded tokens (pulled or from a tier) to its end.
+    kv_load_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:

@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # admitted, waiting for their load to end
+        self._load_started: dict[str, float] = {}  # their loads' start (perf_counter)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -105,18 +106,24 @@ class Scheduler:
                 j += 1
                 continue
             hit = found * self.kv.block_size
+            started = time.perf_counter()
             alloc = self.kv.allocate_slots(req, min(req.num_tokens - hit, budget), computed)
             if alloc is None:
                 break
+            if alloc.num_loaded_tokens and req.metrics.first_token_time is None:
+                req.metrics.kv_load_s = time.perf_counter() - started  # loaded in the call
             del self.waiting[j]
             req.num_kv_tokens = alloc.num_kv_tokens
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
-            self._record_sources(req, alloc.num_local_hit_tokens, alloc.num_loaded_tokens)
+            self._record_sources(
+                req, alloc.num_local_hit_tokens, alloc.num_loaded_tokens, alloc.loaded_medium
+            )
             pending.update(req.block_hashes[req.num_kv_tokens // self.kv.block_size :])
             if alloc.num_loading_tokens:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.loading[req.request_id] = req
+                self._load_started[req.request_id] = started
                 continue
             # A failed load leaves more to compute; the blocks allocated already cover it.
             n = min(req.num_tokens - req.num_kv_tokens, budget)
@@ -134,25 +141,36 @@ class Scheduler:
             if self.loading.get(req.request_id) is not req:
                 continue
             del self.loading[req.request_id]
+            started = self._load_started.pop(req.request_id, None)
+            if started is not None and req.metrics.first_token_time is None:
+                req.metrics.kv_load_s = time.perf_counter() - started
             if outcome.restart:
                 req.num_kv_tokens = 0
                 req.status = RequestStatus.WAITING
                 self.waiting.appendleft(req)
                 continue
             req.num_kv_tokens += outcome.num_loaded_tokens
-            self._record_sources(req, req.metrics.num_local_hit_tokens, outcome.num_loaded_tokens)
+            self._record_sources(
+                req, req.metrics.num_local_hit_tokens, outcome.num_loaded_tokens, outcome.medium
+            )
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
     @staticmethod
-    def _record_sources(req: Request, local_tokens: int, pulled_tokens: int) -> None:
-        """Where the KV of the admission that yields the first token comes from."""
-        if req.metrics.first_token_time is not None:
+    def _record_sources(
+        req: Request, local_tokens: int, loaded_tokens: int, medium: str = "peer"
+    ) -> None:
+        """Where the KV of the admission that yields the first token comes from: the pool,
+        a load from ``medium`` (a peer, or a local tier), the rest computed."""
+        m = req.metrics
+        if m.first_token_time is not None:
             return
-        req.metrics.num_local_hit_tokens = local_tokens
-        req.metrics.num_pulled_tokens = pulled_tokens
+        m.num_local_hit_tokens = local_tokens
+        m.num_pulled_tokens = loaded_tokens if medium == "peer" else 0
+        m.num_host_hit_tokens = loaded_tokens if medium == "host" else 0
+        m.num_disk_hit_tokens = loaded_tokens if medium == "disk" else 0
         # num_tokens: the prompt, and a resumed request's resumed tokens, all prefilled.
-        req.metrics.num_computed_tokens = req.num_tokens - local_tokens - pulled_tokens
+        m.num_computed_tokens = req.num_tokens - local_tokens - loaded_tokens
 
     def _pending_blocks(self) -> set[bytes]:
         """Hashes of full blocks that running requests have yet to compute, or loading
@@ -176,6 +194,7 @@ class Scheduler:
             self.running.remove(req)
         elif self.loading.get(req.request_id) is req:
             del self.loading[req.request_id]  # its blocks are freed when the load ends
+            self._load_started.pop(req.request_id, None)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)

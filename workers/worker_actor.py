@@ -133,8 +133,9 @@ class WorkerActor:
 
     @_control
     def peer_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of ``hashes`` a peer offers: the connector's lookup, on the
-        step thread, asked again until it knows (it looks up on a thread of its own)."""
+        """How many leading blocks of ``hashes`` the connector offers (a peer's, or this
+        worker's own tiers'): its lookup, on the step thread, asked again until it knows (it
+        looks up on a thread of its own)."""
         hashes = list(hashes)
         deadline = time.monotonic() + PEER_BLOCKS_TIMEOUT_S
         while True:

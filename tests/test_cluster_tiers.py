@@ -1,0 +1,79 @@
+"""Tiers on real worker actors (Ray, NIXL, the index): the index learns each worker's blocks
+per medium, a worker killed and replaced on the same disk announces the blocks it finds there
+again, and serves them with the outputs of a worker that computed them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from kvmesh import SamplingParams
+from kvmesh.connector.index_actor import get_index_actor
+from kvmesh.workers.block_hash import block_hashes
+from tests.cluster_helpers import flush, start_workers, stop_workers, wait_until
+from tests.ray_fixtures import ray_session  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+BS = 4
+
+
+def prompt(seed: int, n: int = 41) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def tiers_of(index: Any, hashes: list[bytes], worker_id: str) -> dict[str, int]:
+    return ray.get(index.route_lookup.remote(hashes), timeout=10)["tiers"].get(worker_id, {})
+
+
+def test_the_index_knows_disk_blocks_and_a_replacement_announces_them(tmp_path: Path) -> None:
+    kw = {"num_kv_blocks": 24, "disk_cache_dir": str(tmp_path), "disk_cache_size": "4MiB"}
+    (a,) = start_workers(1, **kw)
+    (plain,) = start_workers(1, num_kv_blocks=64)
+    replacement = None
+    try:
+        info = ray.get(a.ready.remote())
+        index = get_index_actor(info["fingerprint"])
+        ids = prompt(1)
+        hashes = block_hashes(ids, BS, info["namespace"])
+        want = ray.get(plain.generate.remote(ids, GREEDY)).token_ids
+        ray.get(a.generate.remote(ids, GREEDY))
+        for seed in (2, 3, 4):  # three more prompts evict the first down to disk
+            ray.get(a.generate.remote(prompt(seed), GREEDY))
+
+        def on_disk(worker: Any, worker_id: str) -> bool:
+            flush([worker])
+            # Written: in neither the pool nor memory (a block still queued for the disk
+            # writer counts as a host block).
+            return tiers_of(index, hashes, worker_id) == {
+                "device": 0,
+                "host": 0,
+                "disk": len(hashes),
+            }
+
+        assert wait_until(lambda: on_disk(a, info["worker_id"])), tiers_of(
+            index, hashes, info["worker_id"]
+        )
+        ray.kill(a)  # no clean shutdown: what is on disk is what a crash leaves
+        (replacement,) = start_workers(1, **kw)
+        new_id = ray.get(replacement.ready.remote())["worker_id"]
+        assert wait_until(lambda: on_disk(replacement, new_id)), (
+            tiers_of(index, hashes, new_id),
+            {
+                k: v
+                for k, v in ray.get(replacement.connector_stats.remote()).items()
+                if k in ("disk_scanned_blocks", "disk_blocks", "disk_scan_dropped")
+            },
+        )
+        out = ray.get(replacement.generate.remote(ids, GREEDY))
+        assert out.token_ids == want
+        assert out.metrics.num_disk_hit_tokens == (len(ids) - 1) // BS * BS
+        stats = ray.get(replacement.connector_stats.remote())
+        assert stats["disk_scanned_blocks"] >= len(hashes) and stats["disk_corrupt_blocks"] == 0
+    finally:
+        stop_workers([w for w in (a, plain, replacement) if w is not None])

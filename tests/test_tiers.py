@@ -1,0 +1,392 @@
+"""The host and disk tiers: budgets, the disk's files (torn, foreign, full disk), restarts,
+and an engine whose outputs equal the no-tier reference after its blocks went down and back."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvmesh.workers.block_hash import BlockHash, block_hashes
+from kvmesh.workers.kv_connector import NoopKvCacheConnector
+from kvmesh.workers.kv_tiers import DiskTier, KvTiers, TierConfig
+from kvmesh.workers.llm import LLM
+from kvmesh.workers.sampling_params import SamplingParams
+from kvmesh.workers.tiered_connector import TieredKvConnector
+from tests.kv_harness import KvHarness
+
+FP = "0123456789abcdef"
+NBYTES = 64
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+# Six 160-token prompts that share nothing: in a 24-block pool each evicts the one before.
+PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(160)] for i in range(6)]
+
+
+def h(i: int) -> BlockHash:
+    return i.to_bytes(16, "little")
+
+
+def payload(block_hash: BlockHash) -> bytes:
+    return (block_hash * (NBYTES // 16))[:NBYTES]
+
+
+class Listener:
+    """What the index would know: each tier's blocks, from the listener's calls."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[BlockHash]] = {"host": set(), "disk": set()}
+
+    def __call__(self, medium: str, stored: list[BlockHash], removed: list[BlockHash]) -> None:
+        self.held[medium] |= set(stored)
+        self.held[medium] -= set(removed)
+
+
+def tiers(tmp_path: Path, host_blocks: int, disk_blocks: int, **kw) -> tuple[KvTiers, Listener]:
+    file_nbytes = DiskTier(str(tmp_path), 0, FP, NBYTES).file_nbytes
+    config = TierConfig(
+        host_bytes=host_blocks * NBYTES,
+        disk_dir=str(tmp_path) if disk_blocks else None,
+        disk_bytes=disk_blocks * file_nbytes,
+        **kw,
+    )
+    listener = Listener()
+    t = KvTiers(config, FP, NBYTES, listener)
+    t.start()
+    return t, listener
+
+
+def demote(t: KvTiers, ids: Sequence[int]) -> None:
+    hashes = [h(i) for i in ids]
+    t.demote(hashes, list(ids), lambda block_id: payload(h(block_id)))
+
+
+def settle(t: KvTiers) -> None:
+    """Wait for the disk writer to finish what is queued."""
+    assert t.wait_written()
+
+
+def files(tmp_path: Path) -> set[str]:
+    return {p.name for p in (tmp_path / FP / "slot-0").glob("*/*.kvb")}
+
+
+def test_budgets_hold_and_the_listener_mirrors_every_tier(tmp_path: Path) -> None:
+    t, listener = tiers(tmp_path, host_blocks=4, disk_blocks=6)
+    demote(t, range(12))
+    settle(t)
+    assert list(t.host) == [h(i) for i in range(8, 12)]  # the newest stay in memory
+    assert len(t.disk.files) == 6  # the older ones went to disk, the oldest of those deleted
+    assert files(tmp_path) == {f"{x.hex()}.kvb" for x in t.disk.files}
+    assert listener.held == {m: set(v) for m, v in t.hashes().items()}
+    for i in range(12):
+        expect = payload(h(i)) if h(i) in t.host or h(i) in t.disk.files else None
+        assert t.read(h(i)) == expect
+    stats = t.get_stats()
+    assert stats["host_blocks"] == 4 and stats["disk_blocks"] == 6
+    assert stats["disk_evicted_blocks"] == 2
+    t.close()
+
+
+def test_a_block_in_memory_is_not_copied_again(tmp_path: Path) -> None:
+    t, _ = tiers(tmp_path, host_blocks=4, disk_blocks=0)
+    demote(t, [1, 2])
+    reads: list[int] = []
+    t.demote([h(1), h(3)], [1, 3], lambda i: reads.append(i) or payload(h(i)))
+    assert reads == [3] and list(t.host) == [h(2), h(1), h(3)]
+    t.close()
+
+
+def test_torn_foreign_and_corrupt_files_are_never_served(tmp_path: Path) -> None:
+    t, _ = tiers(tmp_path, host_blocks=0, disk_blocks=10)
+    demote(t, range(5))
+    settle(t)
+    t.close()
+    disk = DiskTier(str(tmp_path), 0, FP, NBYTES, slot=0)
+    torn, corrupt = disk.path(h(0)), disk.path(h(1))
+    torn.write_bytes(torn.read_bytes()[:-7])  # a crash mid-write
+    data = bytearray(corrupt.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit in the payload: the header still reads well
+    corrupt.write_bytes(bytes(data))
+    foreign = DiskTier(str(tmp_path), 0, "fedcba9876543210", NBYTES, slot=0)
+    foreign.write(h(9), payload(h(9)))
+    moved = disk.path(h(9))  # another model's file under this model's name
+    moved.parent.mkdir(parents=True, exist_ok=True)
+    moved.write_bytes(foreign.path(h(9)).read_bytes())
+    (tmp_path / FP / "slot-0" / "junk.txt").write_text("x")
+
+    t2, listener = tiers(tmp_path, host_blocks=0, disk_blocks=10)
+    assert t2.stats["disk_scan_dropped"] == 2  # the torn file and the foreign one
+    assert set(t2.disk.files) == {h(1), h(2), h(3), h(4)}
+    assert listener.held["disk"] == set(t2.disk.files)
+    assert t2.read(h(1)) is None  # the checksum catches it on read
+    assert not corrupt.exists() and h(1) not in listener.held["disk"]
+    assert t2.get_stats()["disk_corrupt_blocks"] == 1
+    assert t2.read(h(2)) == payload(h(2))
+    assert foreign.path(h(9)).exists()  # another model's directory is left alone
+    t2.close()
+
+
+def test_workers_sharing_a_directory_take_slots_of_their_own(tmp_path: Path) -> None:
+    a, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)
+    b, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)
+    assert (a.disk.slot, b.disk.slot) == (0, 1)
+    demote(a, [1])
+    demote(b, [2])
+    settle(a), settle(b)
+    a.close()
+    c, listener = tiers(tmp_path, host_blocks=0, disk_blocks=4)  # a's replacement
+    assert c.disk.slot == 0 and listener.held["disk"] == {h(1)}
+    b.close(), c.close()
+
+
+def test_a_full_disk_drops_writes_and_keeps_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(self: DiskTier, block_hash: BlockHash, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "write", full)
+    t, listener = tiers(tmp_path, host_blocks=2, disk_blocks=10)
+    demote(t, range(6))
+    settle(t)
+    assert t.get_stats()["disk_write_errors"] == 4
+    assert not t.disk.files and list(t.host) == [h(4), h(5)]
+    assert listener.held == {"host": {h(4), h(5)}, "disk": set()}
+    assert t.read(h(0)) is None
+    t.close()
+
+
+def test_a_slow_disk_costs_hits_not_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = __import__("threading").Event()
+    real = DiskTier.write
+
+    def slow(self: DiskTier, block_hash: BlockHash, data: bytes) -> None:
+        gate.wait(10)
+        real(self, block_hash, data)
+
+    monkeypatch.setattr(DiskTier, "write", slow)
+    t, _ = tiers(tmp_path, host_blocks=0, disk_blocks=10, max_pending_write_bytes=3 * NBYTES)
+    demote(t, range(6))
+    assert len(t.writing) == 3 and t.get_stats()["disk_writes_dropped"] == 3
+    gate.set()
+    settle(t)
+    assert set(t.disk.files) == {h(0), h(1), h(2)}
+    t.close()
+
+
+def test_tier_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="host_cache_memory"):
+        LLM("tiny-random", num_kv_blocks=8, host_cache_memory="lots")
+    with pytest.raises(ValueError, match="disk_cache_size"):
+        TierConfig(disk_bytes=100)
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM("tiny-random", num_kv_blocks=24, progress=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+class Announced(NoopKvCacheConnector):
+    """Records what the tiers tell a connector (the cluster connector tells the index)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[BlockHash]] = {"host": set(), "disk": set()}
+
+    def on_tier_store(self, medium: str, hashes: Sequence[BlockHash]) -> None:
+        self.held[medium] |= set(hashes)
+
+    def on_tier_remove(self, medium: str, hashes: Sequence[BlockHash]) -> None:
+        self.held[medium] -= set(hashes)
+
+
+def churn(llm: LLM, reference: list[list[int]]) -> None:
+    """Each prompt alone, so each evicts the ones before (down into the tiers)."""
+    for p, want in zip(PROMPTS, reference, strict=True):
+        assert llm.generate([p], GREEDY)[0].token_ids == want
+
+
+def test_outputs_equal_after_blocks_went_to_disk_and_came_back(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
+    kw = {"host_cache_memory": 20 * 8192, "disk_cache_dir": str(tmp_path)}
+    llm = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
+    churn(llm, reference)
+    time.sleep(0.2)  # the writer
+    outs = llm.generate(PROMPTS[:3], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:3]
+    m = [o.metrics for o in outs]
+    assert sum(x.num_disk_hit_tokens for x in m) > 0, m
+    for x, p in zip(m, PROMPTS, strict=False):
+        total = x.num_local_hit_tokens + x.num_host_hit_tokens + x.num_disk_hit_tokens
+        assert total + x.num_computed_tokens == len(p)
+    stats = llm.engine.kv.connector.get_stats()
+    assert stats["disk_loaded_blocks"] > 0 and stats["disk_corrupt_blocks"] == 0
+    llm.close()
+
+
+def test_a_restarted_worker_announces_its_disk_blocks_and_serves_them(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
+    kw = {"disk_cache_dir": str(tmp_path), "disk_cache_size": "16MiB"}
+    first = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
+    churn(first, reference)
+    first.close()  # finishes the queued writes
+    on_disk = {bytes.fromhex(p.stem) for p in tmp_path.glob("*/slot-0/*/*.kvb")}
+    assert on_disk
+
+    inner = Announced()
+    second = LLM("tiny-random", num_kv_blocks=24, progress=False, connector=inner, **kw)
+    assert inner.held["disk"] == on_disk
+    out = second.generate(PROMPTS[:1], GREEDY)[0]
+    assert out.token_ids == reference[0]
+    assert out.metrics.num_disk_hit_tokens == 144  # all 9 full blocks but the last token's
+    second.close()
+
+
+def test_corrupt_disk_blocks_are_computed(tmp_path: Path, reference: list[list[int]]) -> None:
+    kw = {"disk_cache_dir": str(tmp_path), "disk_cache_size": "16MiB"}
+    first = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
+    churn(first, reference)
+    fingerprint = first.engine.fingerprint
+    first.close()
+    hashes = block_hashes(PROMPTS[0], 16, fingerprint.namespace)
+    path = next(tmp_path.glob(f"*/slot-0/*/{hashes[0].hex()}.kvb"))
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # a flipped bit in the first block: the header still reads well
+    path.write_bytes(bytes(data))
+    second = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
+    out = second.generate(PROMPTS[:1], GREEDY)[0]
+    assert out.token_ids == reference[0]
+    assert out.metrics.num_disk_hit_tokens == 0 and out.metrics.num_computed_tokens == 160
+    # The first block stops the load (the blocks read ahead of it are whole, and unused).
+    assert second.engine.kv.connector.get_stats()["disk_corrupt_blocks"] == 1
+    assert not path.exists()
+    again = second.generate(PROMPTS[1:2], GREEDY)[0]  # its blocks are all whole
+    assert again.token_ids == reference[1] and again.metrics.num_disk_hit_tokens == 144
+    second.close()
+
+
+# -- a random walk over the pool and the tiers ----------------------------------------------
+
+MACHINE_PROMPTS = [[p] * 3 + [p + 1, p + 2] * 3 for p in range(0, 50, 10)]  # 4 full blocks each
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Prompts that come back, through a 6-block pool with a 2-block host tier and a 5-block
+    disk tier: every request's KV is its own prefix's (``check_kv``), the pool's references
+    add up, the budgets hold, and the index's view (the listener) equals the tiers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kvmesh-tiers-")
+        self.listener = Listener()
+
+        def make(harness: KvHarness) -> TieredKvConnector:
+            nbytes = 16  # the harness's "KV" of a block is its 16-byte hash
+            file_nbytes = DiskTier(self.dir, 0, FP, nbytes).file_nbytes
+            config = TierConfig(2 * nbytes, self.dir, 5 * file_nbytes)
+            t = KvTiers(config, FP, nbytes)
+            conn = TieredKvConnector(NoopKvCacheConnector(), t, harness.read, harness.write)
+            t.listener = self.listener  # in place of the connector's: the index's view
+            return conn
+
+        self.h = KvHarness(6, 2, make)
+        self.conn = self.h.manager.connector
+        self.n = 0
+
+    @rule(i=st.integers(0, len(MACHINE_PROMPTS) - 1), tail=st.lists(st.integers(0, 3)))
+    def serve(self, i: int, tail: list[int]) -> None:
+        req = self.h.new_request(f"r{self.n}", MACHINE_PROMPTS[i] + tail[:2])
+        self.n += 1
+        assert self.h.prefill(req) is not None
+        self.h.check_kv()
+        self.h.finish(req)
+
+    @rule()
+    def writer_catches_up(self) -> None:
+        settle(self.conn.tiers)
+        assert self.listener.held == {m: set(v) for m, v in self.conn.tiers.hashes().items()}
+        assert files(Path(self.dir)) == {f"{x.hex()}.kvb" for x in self.conn.tiers.disk.files}
+
+    @rule(i=st.integers(0, 100))
+    def tear_a_file(self, i: int) -> None:
+        settle(self.conn.tiers)
+        paths = sorted((Path(self.dir) / FP / "slot-0").glob("*/*.kvb"))
+        if paths:
+            path = paths[i % len(paths)]
+            path.write_bytes(path.read_bytes()[:-3])
+
+    @invariant()
+    def budgets_and_references(self) -> None:
+        self.h.manager.check_integrity()
+        assert len(self.conn.tiers.host) <= 2 and len(self.conn.tiers.disk.files) <= 5
+
+    def teardown(self) -> None:
+        self.conn.close()
+        LOADS["host"] += self.conn.stats["host_loaded_blocks"]
+        LOADS["disk"] += self.conn.stats["disk_loaded_blocks"]
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+LOADS = {"host": 0, "disk": 0}
+TierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_tier_machine() -> None:
+    TierMachine.TestCase("runTest").runTest()
+    assert LOADS["host"] > 0 and LOADS["disk"] > 0, LOADS  # the walk did reach both tiers
+
+
+def test_the_api_reports_tier_hits_and_metrics(tmp_path: Path) -> None:
+    import openai
+
+    from kvmesh.cluster.local_backend import LocalBackend
+    from kvmesh.cluster.openai_api import build_api
+    from tests.openai_helpers import call, check_kvmesh, serve
+
+    backend = LocalBackend(
+        model="tiny-random", num_kv_blocks=24, disk_cache_dir=str(tmp_path), progress=False
+    )
+    texts = [
+        chr(97 + i) * 40 + "".join(chr(65 + (j * (i + 3)) % 26) for j in range(120))
+        for i in range(6)
+    ]
+    try:
+        with serve(build_api(backend, model_name="tiny-random")) as port:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            first = None
+            for text in texts:  # each evicts the one before: down to the disk tier
+                r = client.completions.create(
+                    model="tiny-random", prompt=text, max_tokens=4, temperature=0
+                )
+                first = first or r
+            assert backend.worker.kv.connector.tiers.wait_written()
+            again = client.completions.create(
+                model="tiny-random", prompt=texts[0], max_tokens=4, temperature=0
+            )
+            assert again.choices[0].text == first.choices[0].text
+            kv = again.model_extra["kvmesh"]
+            check_kvmesh(kv, again.usage)
+            assert kv["disk_hit_tokens"] >= 128 and kv["local_hit_tokens"] == 0
+            status, body = call(port, "GET", "/metrics")
+            assert status == 200
+            assert 'kvmesh_prompt_tokens_total{source="disk_hit"}' in body
+            loaded = [
+                line
+                for line in body.splitlines()
+                if line.startswith('kvmesh_tier_loaded_blocks_total{medium="disk"}')
+            ]
+            assert loaded and float(loaded[0].split()[-1]) >= 8, loaded
+    finally:
+        backend.shutdown()

@@ -1,0 +1,161 @@
+"""``TieredKvConnector``: the local tiers (``kv_tiers.py``) in front of another connector.
+
+Behind the seam, in the manager's order:
+- ``on_evict`` (a block is about to be reused): the inner connector hears of it, then the
+  tiers keep a copy of its bytes (``KvTiers.demote``).
+- ``lookup``: the tiers' depth and the inner connector's answer (a peer's), the larger; None
+  while the inner one does not know yet and the tiers cannot cover everything.
+- ``start_load``: from the tiers when they hold every asked block, else from the inner
+  connector. Blocks all in host memory are copied in at once (memory copies, like a step's
+  own work); a load that reads disk runs on the tier loader's thread and ``poll_loads``
+  reports it. A load is counted under the slowest medium it read (``LoadResult.medium``). A
+  torn or vanished file ends the load at that block: the leading blocks read are registered,
+  the rest computed.
+- Everything else goes to the inner connector; tier changes reach it as ``on_tier_store`` /
+  ``on_tier_remove`` (the cluster connector tells the index).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvmesh.workers.block_hash import BlockHash
+from kvmesh.workers.kv_connector import (
+    BlockReader,
+    BlockWriter,
+    KvCacheConnector,
+    LoadResult,
+    PullPlan,
+)
+from kvmesh.workers.kv_tiers import KvTiers
+
+logger = logging.getLogger(__name__)
+
+_Job = tuple[int, list[BlockHash], list[int]]
+DISK_READERS = 4  # block files read at once: a disk's queue depth, not its one-file speed
+
+
+class TieredKvConnector(KvCacheConnector):
+    def __init__(
+        self, inner: KvCacheConnector, tiers: KvTiers, reader: BlockReader, writer: BlockWriter
+    ) -> None:
+        self.inner = inner
+        self.tiers = tiers
+        self.reader = reader
+        self.writer = writer
+        tiers.listener = self._tier_changed
+        self.stats = dict.fromkeys(("host_loaded_blocks", "disk_loaded_blocks", "tier_loads"), 0)
+        self._wake: Callable[[], None] = lambda: None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._results: list[LoadResult] = []
+        self._results_lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="kv-tier-read")
+        self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
+        self._loader.start()
+        tiers.start()
+
+    def _tier_changed(self, medium: str, stored: list[BlockHash], removed: list[BlockHash]) -> None:
+        if stored:
+            self.inner.on_tier_store(medium, stored)
+        if removed:
+            self.inner.on_tier_remove(medium, removed)
+
+    def attach(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self.inner.attach(wake)
+
+    # -- lookups and loads -------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[BlockHash], plan: PullPlan | None = None) -> int | None:
+        n_tier = self.tiers.depth(hashes)
+        if n_tier == len(hashes):
+            return n_tier
+        n_inner = self.inner.lookup(hashes) if plan is None else self.inner.lookup(hashes, plan)
+        if n_inner is None:
+            return None
+        return max(n_tier, n_inner)
+
+    def start_load(
+        self,
+        load_id: int,
+        hashes: Sequence[BlockHash],
+        block_ids: Sequence[int],
+        plan: PullPlan | None = None,
+    ) -> LoadResult | None:
+        media = [self.tiers.medium(h) for h in hashes]
+        if None in media:  # a peer has more than the tiers: pull it all
+            return self.inner.start_load(load_id, hashes, block_ids, plan)
+        self.stats["tier_loads"] += 1
+        if "disk" in media:
+            self._jobs.put((load_id, list(hashes), list(block_ids)))
+            return None
+        return self._load(load_id, list(hashes), list(block_ids))
+
+    def _load(
+        self, load_id: int, hashes: list[BlockHash], block_ids: list[int], from_disk: bool = False
+    ) -> LoadResult:
+        """Copy the tiers' blocks in, in order, up to the first one they cannot give. Disk
+        reads run ``DISK_READERS`` at a time, ahead of the copies."""
+        media = [self.tiers.medium(h) for h in hashes]
+        reads = (
+            self._readers.map(self.tiers.read, hashes)
+            if from_disk
+            else map(self.tiers.read, hashes)
+        )
+        n = 0
+        for block_id, medium, payload in zip(block_ids, media, reads, strict=True):
+            if payload is None:
+                break
+            self.writer(block_id, payload)
+            self.stats[f"{medium}_loaded_blocks"] += 1
+            n += 1
+        return LoadResult(load_id, n, medium="disk" if "disk" in media[:n] else "host")
+
+    def _load_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            load_id = job[0]
+            try:
+                result = self._load(*job, from_disk=True)
+            except Exception:
+                logger.exception("a tier load failed; computing its blocks")
+                result = LoadResult(load_id, 0, medium="disk")
+            with self._results_lock:
+                self._results.append(result)
+            self._wake()
+
+    def poll_loads(self) -> list[LoadResult]:
+        with self._results_lock:
+            mine, self._results = self._results, []
+        return mine + self.inner.poll_loads()
+
+    # -- observations ------------------------------------------------------------------------
+
+    def on_hit(self, request_id: str, num_local_blocks: int, num_loaded_blocks: int) -> None:
+        self.inner.on_hit(request_id, num_local_blocks, num_loaded_blocks)
+
+    def on_store(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        self.inner.on_store(hashes, block_ids)
+
+    def on_evict(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        self.inner.on_evict(hashes, block_ids)
+        self.tiers.demote(hashes, block_ids, self.reader)
+
+    def on_clear(self) -> None:
+        self.inner.on_clear()
+
+    def flush(self) -> int:
+        return self.inner.flush()
+
+    def get_stats(self) -> dict[str, float]:
+        return {**self.inner.get_stats(), **self.tiers.get_stats(), **self.stats}
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._loader.join(timeout=10)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        self.tiers.close()
+        self.inner.close()
