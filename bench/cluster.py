@@ -12,7 +12,7 @@ docs/cluster_ttft_cdf.png; ``--dump`` keeps every request for bench/cluster_repl
 
 With ``--host-cache-memory`` / ``--disk-cache-size`` every setup's workers get those tiers
 (the disk tier in a temporary directory per setup, removed afterwards); the ideal pool stays
-the device pools' total. ``--baseline-kv-cache-memory 160MiB`` adds the setup
+the device pools' total. ``--baseline-kv-cache-memory 160MiB,128MiB`` adds the setups
 "kv_aware+connector@<size>" (that much KV per worker, no tiers) to compare against.
 """
 
@@ -172,7 +172,10 @@ def main() -> None:
     ap.add_argument("--ingress-replicas", type=int, default=1)
     ap.add_argument("--host-cache-memory", default="0", help="per worker, e.g. 64MiB")
     ap.add_argument("--disk-cache-size", help="per worker, e.g. 256MiB (a temporary dir)")
-    ap.add_argument("--baseline-kv-cache-memory", help="add kv_aware+connector at this size")
+    ap.add_argument(
+        "--baseline-kv-cache-memory",
+        help="comma-separated sizes: kv_aware+connector at each, without tiers, in the same run",
+    )
     args = ap.parse_args()
 
     system = (
@@ -186,9 +189,9 @@ def main() -> None:
     )
     results: dict[str, dict] = {}
     runs = [(name, SETUPS[name], args.kv_cache_memory, True) for name in args.setups.split(",")]
-    if args.baseline_kv_cache_memory:
-        name = f"kv_aware+connector@{args.baseline_kv_cache_memory}"
-        runs.append((name, SETUPS["kv_aware+connector"], args.baseline_kv_cache_memory, False))
+    baselines = args.baseline_kv_cache_memory.split(",") if args.baseline_kv_cache_memory else []
+    for size in baselines:
+        runs.append((f"kv_aware+connector@{size}", SETUPS["kv_aware+connector"], size, False))
     for name, setup, kv_memory, tiers in runs:
         disk_dir = tempfile.mkdtemp(prefix="kvmesh-bench-disk-") if args.disk_cache_size else None
         config = ServeConfig(
@@ -245,11 +248,13 @@ def main() -> None:
         "computed_vs_ideal": {
             n: round(s["computed_tokens"] / max(ideal, 1), 3) for n, s in summary.items()
         },
-        "throughput_vs_baseline": (
-            round(kv["requests_per_s"] / summary[runs[-1][0]]["requests_per_s"], 3)
-            if kv and args.baseline_kv_cache_memory
-            else None
-        ),
+        "throughput_vs_baseline": {
+            size: round(
+                kv["requests_per_s"] / summary[f"kv_aware+connector@{size}"]["requests_per_s"], 3
+            )
+            for size in baselines
+            if kv
+        },
         "throughput_vs_local_only": (
             round(kv["requests_per_s"] / local["requests_per_s"], 2) if kv and local else None
         ),

@@ -1,13 +1,15 @@
 """A prefix loaded from the disk tier, against computing it and against pulling it from a peer.
 
-Three worker actors (real Ray, NIXL): A computes a prompt whose first N tokens are the prefix
+Four worker actors (real Ray, NIXL): A computes a prompt whose first N tokens are the prefix
 (compute TTFT); B pulls the prefix from A (pull TTFT); C, with a pool too small for two such
 prompts and a disk tier in a temporary directory, computes the prompt, computes another one
 that evicts it down to disk, and then gets the first again: its prefix comes back from disk
 (disk TTFT). Before that load, the page cache of C's block files is dropped (fsync, then
 POSIX_FADV_DONTNEED on those files only), so the bytes come from the disk; the same files,
 dropped again, are then read plainly in this process for the disk's sequential read rate.
-Prints one JSON line.
+D, with a host-memory tier and a pool of two such prompts (a peer may pin at most half of
+it), computes a third prompt and evicts it into host memory with the other two; B then pulls
+that prefix from D (host pull TTFT: D promotes the blocks into its pool for B's pin).
 
     .venv/bin/python bench/tier.py --model smollm2-135m --prefix-tokens 2048
 """
@@ -58,7 +60,7 @@ def main() -> None:
     ap.add_argument("--disk-dir", help="where the disk tier goes (default: a temporary dir)")
     args = ap.parse_args()
 
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     disk_dir = tempfile.mkdtemp(prefix="kvmesh-tier-", dir=args.disk_dir)
     cfg = EngineConfig(model=args.model, kv_cache_memory="512MiB", progress=False)
     blocks = -(-(args.prefix_tokens + args.suffix_tokens + 16) // cfg.block_size)
@@ -75,20 +77,28 @@ def main() -> None:
     # Each worker gets both cores while it computes: they never compute at the same time.
     a, b = (cls.remote(f"tier-bench-{n}", cfg, conn, num_threads=2) for n in "ab")
     c = cls.remote("tier-bench-c", tier_cfg, None, num_threads=2)
-    info = ray.get([a.ready.remote(), b.ready.remote(), c.ready.remote()])[0]
+    host_cfg = EngineConfig(
+        model=args.model, num_kv_blocks=2 * blocks, host_cache_memory="512MiB", progress=False
+    )
+    d = cls.remote("tier-bench-d", host_cfg, conn, num_threads=2)
+    info = ray.get([w.ready.remote() for w in (a, b, c, d)])[0]
     rng = random.Random(0)
 
     def prompt() -> list[int]:
         return [rng.randrange(1000, 40000) for _ in range(args.prefix_tokens + args.suffix_tokens)]
 
-    main_prompt, evictor = prompt(), prompt()
+    main_prompt, evictor, host_prompt = prompt(), prompt(), prompt()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     warm = SamplingParams(max_tokens=1)
-    ray.get([w.generate.remote([5, 6, 7], warm) for w in (a, b, c)])
+    ray.get([w.generate.remote([5, 6, 7], warm) for w in (a, b, c, d)])
     handshake = [rng.randrange(1000, 40000) for _ in range(4 * info["block_size"] + 1)]
     ray.get(a.generate.remote(handshake, warm))
     ray.get(a.flush_events.remote())
     ray.get(b.generate.remote(handshake, warm))  # the NIXL handshake is not part of a TTFT
+    handshake = [rng.randrange(1000, 40000) for _ in range(4 * info["block_size"] + 1)]
+    ray.get(d.generate.remote(handshake, warm))
+    ray.get(d.flush_events.remote())
+    ray.get(b.generate.remote(handshake, warm))  # and B's with D
 
     computed = ray.get(a.generate.remote(main_prompt, params))
     ray.get(a.flush_events.remote())
@@ -106,6 +116,13 @@ def main() -> None:
     from_disk = ray.get(c.generate.remote(main_prompt, params))
     disk_read, disk_bytes = read_gbps(files)
     stats = ray.get(c.connector_stats.remote())
+
+    host_computed = ray.get(d.generate.remote(host_prompt, params))
+    for other in (evictor, main_prompt):  # host_prompt's blocks go to host memory
+        ray.get(d.generate.remote(other, params))
+    ray.get(d.flush_events.remote())
+    from_host = ray.get(b.generate.remote(host_prompt, params))
+    promoted = ray.get(d.connector_stats.remote())["promoted_blocks"]
 
     m = from_disk.metrics
     block_bytes = stats["disk_bytes"] / max(stats["disk_blocks"], 1)
@@ -128,7 +145,11 @@ def main() -> None:
         "disk_share_of_read_rate": round(
             loaded_bytes / max(m.kv_load_s, 1e-9) / 1e9 / disk_read, 2
         ),
-        "outputs_equal": computed.token_ids == pulled.token_ids == from_disk.token_ids,
+        "host_pull_ttft_s": round(from_host.metrics.ttft_s, 4),
+        "host_pull_tokens": from_host.metrics.num_pulled_tokens,
+        "host_promoted_blocks": promoted,
+        "outputs_equal": computed.token_ids == pulled.token_ids == from_disk.token_ids
+        and host_computed.token_ids == from_host.token_ids,
         "pulled_tokens": pulled.metrics.num_pulled_tokens,
     }
     print(json.dumps(result))

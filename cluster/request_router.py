@@ -87,8 +87,7 @@ class KvAwareRequestRouter(RequestRouter):
         info = await self._index_call("route_lookup", request.chain) or {}
         views = self._views(replicas, info)
         choice = self.router.choose(sorted(replicas), views, request.num_context_tokens)
-        held = {w: d for w, d in info.get("held", {}).items() if w != choice.worker}
-        holder = max(held, key=lambda w: (held[w], w)) if held else None
+        holder = _holder(info, choice.worker)
         plan = Plan(
             worker=choice.worker,
             local_blocks=choice.local_blocks,
@@ -124,7 +123,7 @@ class KvAwareRequestRouter(RequestRouter):
             stats = r.routing_stats or {}
             if not info:
                 queue = max(queue, int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
-            free = stats.get("free_blocks")
+            room = stats.get("room_blocks")
             t = tiers.get(w, {})
             views[w] = WorkerView(
                 queue=queue,
@@ -132,7 +131,7 @@ class KvAwareRequestRouter(RequestRouter):
                 depth=held.get(w, 0),
                 pending=p.get("depth", 0),
                 pending_wait_tokens=p.get("wait_tokens", 0),
-                free_blocks=int(free) if free is not None else None,
+                room_blocks=int(room) if room is not None else None,
                 host_depth=t.get("host", 0),
                 disk_depth=t.get("disk", 0),
             )
@@ -202,3 +201,14 @@ def _worker_request(pending: PendingRequest | None) -> WorkerRequest | None:
         if isinstance(arg, WorkerRequest):
             return arg
     return None
+
+
+def _holder(info: dict, worker: str) -> str | None:
+    """The peer ``worker`` pulls from: the deepest in its pool or host tier (host blocks are
+    promoted into its pool when pinned), over every worker the index knows (a prefill
+    worker of another deployment included), ``worker`` left out."""
+    depths = dict(info.get("held", {}))
+    for w, t in info.get("tiers", {}).items():
+        depths[w] = max(depths.get(w, 0), t.get("host", 0))
+    depths = {w: d for w, d in depths.items() if w != worker and d}
+    return max(depths, key=lambda w: (depths[w], w)) if depths else None

@@ -54,11 +54,20 @@ class WorkerView:
     depth: int = 0  # leading blocks of this prompt it holds (from the index)
     pending: int = 0  # leading blocks of this prompt it is computing now
     pending_wait_tokens: int = 0  # its backlog up to and including that computation
-    free_blocks: int | None = None  # free in its pool, evictable ones included (None: unknown)
+    # Blocks its pool can give one request once its running requests finish: the pool less
+    # what peers pinned (None: unknown). Running requests' blocks come back; the queue term
+    # prices that wait, so they set no worker aside (a conversation would leave its history).
+    room_blocks: int | None = None
     # Leading blocks it holds in its pool or host tier, and in any of pool, host, disk (the
     # index's depths per medium, cumulative: depth <= host_depth <= disk_depth when known).
     host_depth: int = 0
     disk_depth: int = 0
+
+    @property
+    def pull_depth(self) -> int:
+        """Leading blocks a peer can pull from it: its pool's, and its host tier's (promoted
+        into its pool when pinned; the memory copy is small beside the read)."""
+        return max(self.depth, self.host_depth)
 
 
 @dataclass
@@ -203,14 +212,14 @@ class Router:
     def _with_room(
         candidates: Sequence[str], views: Mapping[str, WorkerView], n: int
     ) -> Sequence[str]:
-        """The candidates whose free pool takes this prompt's blocks beyond those they hold:
-        a worker whose pool peers pinned, or its own requests fill, would only queue it
-        (while the others have room). All of them when none has room or none is known."""
+        """The candidates whose pool can take this prompt's blocks beyond those they hold:
+        a worker whose pool peers pinned would only hold it until their leases end (while
+        the others have room). All of them when none has room or none is known."""
         empty = WorkerView()
 
         def room(w: str) -> bool:
             v = views.get(w, empty)
-            return v.free_blocks is None or v.free_blocks >= n + 1 - min(v.depth, n)
+            return v.room_blocks is None or v.room_blocks >= n + 1 - min(v.depth, n)
 
         fit = [w for w in candidates if room(w)]
         return fit or candidates
@@ -228,7 +237,7 @@ class Router:
         local = min(max(v.depth, v.pending), n)
         others = {name: p for name, p in views.items() if name != w}
         # Peers' depths, deepest first: beyond the second deepest, one peer alone holds them.
-        held = [*sorted((min(p.depth, n) for p in others.values()), reverse=True), 0, 0]
+        held = [*sorted((min(p.pull_depth, n) for p in others.values()), reverse=True), 0, 0]
         # The peer computing the most of this prompt, the soonest done on ties.
         peer = max(
             others,
@@ -244,7 +253,9 @@ class Router:
         load_s += (own - in_host) * self.cost.t_disk_block_s
         reach = max(local, held[0]) if self.connector else local
         duplicate = max(computing - max(reach, own), 0) if self.connector else 0
-        moved = max(reach - max(local, held[1]), 0)
+        # A single peer's blocks that this worker has in none of its media (its tiers hold
+        # a conversation's history as much as its pool does).
+        moved = max(reach - max(own, held[1]), 0)
         # Blocks this worker is still to receive count as local, but the request bringing
         # them may reach the worker after this one (another ingress routed it): this one
         # then waits for the same source and pulls or hits, instead of computing them.

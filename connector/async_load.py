@@ -178,11 +178,12 @@ class PullLoader:
             self.wake()
 
     def _query(self, hashes: list[BlockHash], exclude: str | None = None) -> tuple[str | None, int]:
-        """The index's deepest holder of ``hashes`` (not ``exclude``) and what we may pull
-        from it; (None, 0) when none, or the index fails. Never raises."""
+        """The index's deepest holder of ``hashes`` (not ``exclude``; its pool and host tier
+        count) and what we may pull from it; (None, 0) when none, or the index fails. Never
+        raises."""
         self.count("index_lookups")
         try:
-            depths = self._index_call("lookup", hashes, self.worker_id) or {}
+            depths = self._index_call("pull_depths", hashes, self.worker_id) or {}
         except Exception as e:
             logger.warning("%s: index lookup failed (%s); computing", self.worker_id, e)
             return None, 0

@@ -230,6 +230,10 @@ class KvIndexActor:
         with self._lock:
             return self._index.lookup(hashes, exclude)
 
+    def pull_depths(self, hashes: Sequence[bytes], exclude: str | None = None) -> dict[str, int]:
+        with self._lock:
+            return self._index.pull_depths(hashes, exclude)
+
     def lookup_many(
         self, chains: Sequence[Sequence[bytes]], exclude: str | None = None
     ) -> list[dict[str, int]]:

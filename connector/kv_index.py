@@ -329,6 +329,15 @@ class KvIndex:
         self._counts["lookups"] += 1
         return self._device.lookup(hashes, exclude)
 
+    def pull_depths(self, hashes: Sequence[bytes], exclude: str | None = None) -> dict[str, int]:
+        """``{worker: n}``: what a peer can pull from that worker, the first ``n >= 1`` blocks
+        of ``hashes`` each in its device pool or its host tier (a holder promotes host blocks
+        into its pool when a peer pins them). :meth:`lookup`'s rules otherwise."""
+        self._counts["lookups"] += 1
+        held = self._device.lookup(hashes, exclude)
+        tiers = cumulative_depths(self._media, hashes, held)
+        return {**held, **{w: d["host"] for w, d in tiers.items() if w != exclude and d["host"]}}
+
     def tier_depths(self, hashes: Sequence[bytes]) -> dict[str, dict[str, int]]:
         """``{worker: {"device": d0, "host": d1, "disk": d2}}``, cumulative leading depths: the
         first ``d0`` blocks of ``hashes`` are in that worker's device pool, the first ``d1`` in

@@ -31,20 +31,27 @@ def tiers_of(index: Any, hashes: list[bytes], worker_id: str) -> dict[str, int]:
     return ray.get(index.route_lookup.remote(hashes), timeout=10)["tiers"].get(worker_id, {})
 
 
+def evict(holder: Any, plain: Any, seed: int) -> tuple[dict, Any, list[int], list[bytes], list]:
+    """``holder`` computes prompt(seed), then three more that evict it into its tiers;
+    (holder's info, the index, the prompt, its block hashes, the no-tier worker's output)."""
+    info = ray.get(holder.ready.remote())
+    index = get_index_actor(info["fingerprint"])
+    ids = prompt(seed)
+    hashes = block_hashes(ids, BS, info["namespace"])
+    want = ray.get(plain.generate.remote(ids, GREEDY)).token_ids
+    ray.get(holder.generate.remote(ids, GREEDY))
+    for other in range(seed + 1, seed + 4):
+        ray.get(holder.generate.remote(prompt(other), GREEDY))
+    return info, index, ids, hashes, want
+
+
 def test_the_index_knows_disk_blocks_and_a_replacement_announces_them(tmp_path: Path) -> None:
     kw = {"num_kv_blocks": 24, "disk_cache_dir": str(tmp_path), "disk_cache_size": "4MiB"}
     (a,) = start_workers(1, **kw)
     (plain,) = start_workers(1, num_kv_blocks=64)
     replacement = None
     try:
-        info = ray.get(a.ready.remote())
-        index = get_index_actor(info["fingerprint"])
-        ids = prompt(1)
-        hashes = block_hashes(ids, BS, info["namespace"])
-        want = ray.get(plain.generate.remote(ids, GREEDY)).token_ids
-        ray.get(a.generate.remote(ids, GREEDY))
-        for seed in (2, 3, 4):  # three more prompts evict the first down to disk
-            ray.get(a.generate.remote(prompt(seed), GREEDY))
+        info, index, ids, hashes, want = evict(a, plain, 1)  # down to disk
 
         def on_disk(worker: Any, worker_id: str) -> bool:
             flush([worker])
@@ -77,3 +84,35 @@ def test_the_index_knows_disk_blocks_and_a_replacement_announces_them(tmp_path: 
         assert stats["disk_scanned_blocks"] >= len(hashes) and stats["disk_corrupt_blocks"] == 0
     finally:
         stop_workers([w for w in (a, plain, replacement) if w is not None])
+
+
+def test_a_peer_pulls_what_a_holder_keeps_in_host_memory() -> None:
+    """a's pool evicted the prompt into its host tier: b still pulls it from a (a promotes
+    the blocks into its pool for the pin), with b's outputs those of a worker that computed
+    it, and the index lists the promoted blocks in a's pool again."""
+    (a,) = start_workers(1, num_kv_blocks=24, host_cache_memory="4MiB")
+    (b,) = start_workers(1, num_kv_blocks=64)
+    (plain,) = start_workers(1, num_kv_blocks=64, connector=False)
+    try:
+        info, index, ids, hashes, want = evict(a, plain, 11)  # into a's host tier
+
+        def in_host() -> bool:
+            flush([a])
+            t = tiers_of(index, hashes, info["worker_id"])
+            return t.get("device") == 0 and t.get("host") == len(hashes)
+
+        assert wait_until(in_host), tiers_of(index, hashes, info["worker_id"])
+        out = ray.get(b.generate.remote(ids, GREEDY))
+        assert out.token_ids == want
+        assert out.metrics.num_pulled_tokens == len(hashes) * BS
+        assert ray.get(a.connector_stats.remote())["promoted_blocks"] == len(hashes)
+
+        def in_pool() -> bool:
+            flush([a])
+            return ray.get(index.lookup.remote(hashes), timeout=10).get(info["worker_id"]) == len(
+                hashes
+            )
+
+        assert wait_until(in_pool)
+    finally:
+        stop_workers([a, b, plain])

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvmesh.cluster.request_router import _holder
 from kvmesh.cluster.router import CostModel, Router, WorkerView
 
 BS = 16
@@ -36,23 +37,28 @@ def test_kv_aware_prefers_the_holder_until_its_queue_costs_more() -> None:
 
 
 def test_a_worker_without_room_in_its_pool_is_not_routed_to() -> None:
-    """Peers pinned most of b's pool (or its own requests fill it): a prompt that needs more
-    free blocks than b has goes elsewhere, even though b holds its prefix."""
+    """Peers pinned most of b's pool: a prompt that needs more blocks than b can give goes
+    elsewhere, even though b holds its prefix. Blocks b's own running requests hold come back
+    when they finish: they count as b's queue, and set b aside no more than a queue does."""
     tokens = 64 * BS + 5
     for policy in ("kv_aware", "least_loaded"):
         r = Router(policy, BS)
         # b holds 32 blocks: the prompt needs 33 more (32 + the partial one); b has 20.
         full = {
-            "a": WorkerView(queue=1, free_blocks=500),
-            "b": WorkerView(depth=32, free_blocks=20),
+            "a": WorkerView(queue=1, room_blocks=500),
+            "b": WorkerView(depth=32, room_blocks=20),
         }
         assert r.choose(["a", "b"], full, tokens).worker == "a"
         # With room for them, b is the one.
-        roomy = {**full, "b": WorkerView(depth=32, free_blocks=33)}
+        roomy = {**full, "b": WorkerView(depth=32, room_blocks=33)}
         assert r.choose(["a", "b"], roomy, tokens).worker == "b"
         # None has room: the request queues where it would have anyway (never refused here).
-        tight = {"a": WorkerView(queue=1, free_blocks=3), "b": WorkerView(depth=32, free_blocks=3)}
+        tight = {"a": WorkerView(queue=1, room_blocks=3), "b": WorkerView(depth=32, room_blocks=3)}
         assert r.choose(["a", "b"], tight, tokens).worker == "b"
+    # A holder busy with one running request keeps its conversation (the history would be
+    # computed elsewhere).
+    busy = {"a": WorkerView(), "b": WorkerView(queue=1, depth=60, room_blocks=500)}
+    assert Router("kv_aware", BS).choose(["a", "b"], busy, tokens).worker == "b"
 
 
 def test_moving_a_conversation_costs_its_history_but_a_shared_prompt_moves_freely() -> None:
@@ -233,3 +239,17 @@ def test_cost_model_learns_tier_costs() -> None:
     assert m.t_token_s == pytest.approx(0.4 / 100)  # the load's time is not the prompt's
     m.observe(0.1, 0, 0, 0, tier=("host", 100, 0.01))
     assert m.t_host_block_s == pytest.approx(1e-4) and m.samples["host"] == 1
+
+
+def test_the_plans_holder_is_the_deepest_pool_or_host_tier_of_any_worker() -> None:
+    """Every worker the index knows counts, not only this deployment's replicas (the decode
+    router pulls from a prefill worker); a disk tier is not pulled from."""
+    info = {
+        "held": {"prefill-1": 5, "decode-2": 3},
+        "tiers": {"decode-3": {"device": 0, "host": 8, "disk": 8}, "decode-4": {"disk": 20}},
+    }
+    assert _holder(info, "decode-2") == "decode-3"
+    assert _holder(info, "decode-3") == "prefill-1"
+    assert _holder({"held": {"prefill-1": 5}}, "decode-2") == "prefill-1"
+    assert _holder({"held": {"decode-2": 5}}, "decode-2") is None
+    assert _holder({}, "decode-2") is None

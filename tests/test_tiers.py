@@ -254,6 +254,51 @@ def test_a_restarted_worker_announces_its_disk_blocks_and_serves_them(
     second.close()
 
 
+def test_a_pin_promotes_host_blocks_into_the_pool_and_never_disk_ones(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """A peer pins a prompt the pool evicted: from host memory it comes back into fresh pool
+    blocks (their bytes the tier's, registered, held by the lease); a prompt only on disk is
+    refused with nothing taken (the peer computes it)."""
+    kw = {"host_cache_memory": 12 * 8192, "disk_cache_dir": str(tmp_path)}
+    llm = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
+    churn(llm, reference)
+    kv, tiers = llm.engine.kv, llm.engine.kv.connector.tiers
+    tiers.wait_written()
+    ns = llm.engine.fingerprint.namespace
+
+    def chain(p: list[int]) -> list[BlockHash]:
+        return block_hashes(p, 16, ns)[:9]
+
+    def media(p: list[int]) -> set[str | None]:
+        """Where each block of p's chain is: a tier's name, or "pool"."""
+        return {"pool" if kv.pool.get_cached_block(x) else tiers.medium(x) for x in chain(p)}
+
+    # The pool evicts a chain's tail first, so a prompt is partly in the pool, partly in host.
+    in_host = next(p for p in PROMPTS if "host" in media(p) and media(p) <= {"pool", "host"})
+    on_disk = next(p for p in PROMPTS if media(p) == {"disk"})
+    free = kv.num_free_blocks
+    assert kv.pin("on-disk", chain(on_disk)) is None
+    assert kv.num_free_blocks == free and not kv.pins
+    kv.check_integrity()
+
+    promoted = {x: tiers.read(x) for x in chain(in_host) if tiers.medium(x) == "host"}
+    ids = kv.pin("lease", chain(in_host))
+    assert ids is not None and len(ids) == 9
+    for x, block_id in zip(chain(in_host), ids, strict=True):
+        assert kv.pool.get_cached_block(x).block_id == block_id
+        if x in promoted:
+            assert llm.engine.kv_cache.read_block(block_id) == promoted[x]
+    assert llm.engine.kv.connector.get_stats()["promoted_blocks"] == len(promoted) > 0
+    kv.check_integrity()  # the lease's references counted
+    kv.unpin("lease")
+    kv.check_integrity()
+    out = llm.generate([in_host], GREEDY)[0]  # a local hit on the promoted blocks now
+    assert out.token_ids == reference[PROMPTS.index(in_host)]
+    assert out.metrics.num_local_hit_tokens == 144
+    llm.close()
+
+
 def test_corrupt_disk_blocks_are_computed(tmp_path: Path, reference: list[list[int]]) -> None:
     kw = {"disk_cache_dir": str(tmp_path), "disk_cache_size": "16MiB"}
     first = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)

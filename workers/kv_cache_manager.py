@@ -333,14 +333,44 @@ class KVCacheManager:
 
     def pin(self, lease_id: str, hashes: list[BlockHash]) -> list[int] | None:
         """Hold the cached blocks of ``hashes`` under ``lease_id`` (a peer reads them); their
-        ids, or None (nothing held) when any hash is not cached here."""
-        blocks = [self.pool.get_cached_block(h) for h in hashes]
-        held = [b for b in blocks if b is not None]
-        if len(held) != len(blocks) or lease_id in self.pins:
+        ids, or None (nothing held) when any hash is not cached here.
+
+        A tail the pool lacks but the connector's host tier holds is promoted into fresh
+        blocks first (``KvCacheConnector.promote``) and registered, so a peer can pull what
+        this worker keeps in host memory.
+        """
+        if lease_id in self.pins:
             return None
-        self.pool.touch(held)
+        blocks = [self.pool.get_cached_block(h) for h in hashes]
+        n = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+        if any(b is not None for b in blocks[n:]):  # a hole in the chain: not worth promoting
+            return None
+        held = [b for b in blocks[:n] if b is not None]
+        self.pool.touch(held)  # before promoting: its allocations must not evict them
+        if n < len(hashes):
+            promoted = self._promote(hashes[n:], len(hashes) - n)
+            if promoted is None:
+                self.pool.free_blocks(held[::-1])
+                return None
+            held += promoted
         self.pins[lease_id] = held
         return [b.block_id for b in held]
+
+    def _promote(self, hashes: list[BlockHash], n: int) -> list[KVBlock] | None:
+        """The connector's memory-tier copies of all of ``hashes``, in fresh registered blocks
+        (one reference each, the pin's); None, and nothing kept, when it lacks any of them."""
+        new: list[KVBlock] = []
+
+        def allocate(k: int) -> list[int]:
+            new.extend(self.pool.get_new_blocks(k))  # k <= n <= free (checked below)
+            return [b.block_id for b in new]
+
+        ids = self.connector.promote(hashes, allocate) if n <= self.pool.num_free_blocks else []
+        if len(ids) < n:
+            self.pool.free_blocks(new[::-1])
+            return None
+        self._register(hashes, new)
+        return new
 
     def unpin(self, lease_id: str) -> None:
         """Drop the lease's hold on its blocks; an unknown lease is a no-op."""

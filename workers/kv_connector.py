@@ -136,6 +136,17 @@ class KvCacheConnector(ABC):
         """Results of background loads that ended since the last call (see the module)."""
         return []
 
+    def promote(
+        self, hashes: Sequence[BlockHash], allocate: Callable[[int], list[int]]
+    ) -> list[int]:
+        """Bring the leading blocks of ``hashes`` that a local tier holds in memory back into
+        the pool now, for a peer about to pin them: read their bytes, then ``allocate(n)``
+        fresh block ids (which may evict, and so demote, other blocks) and copy them in;
+        returns those ids, in order (the caller registers them). Memory copies only: never a
+        disk, a peer or the network (the step thread calls it). Default: nothing to promote.
+        """
+        return []
+
     def attach(self, wake: Callable[[], None]) -> None:
         """Called once by the worker that owns this connector: call ``wake`` (from any
         thread) when a lookup's answer or a load's result is ready, so an idle step thread

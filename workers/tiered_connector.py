@@ -11,6 +11,9 @@ Behind the seam, in the manager's order:
   reports it. A load is counted under the slowest medium it read (``LoadResult.medium``). A
   torn or vanished file ends the load at that block: the leading blocks read are registered,
   the rest computed.
+- ``promote`` (a peer pins blocks this worker keeps in host memory): copied back into fresh
+  pool blocks, so the peer's read finds them in the pool. Disk blocks are not promoted for
+  peers (a disk read would hold the step thread); the peer computes those.
 - Everything else goes to the inner connector; tier changes reach it as ``on_tier_store`` /
   ``on_tier_remove`` (the cluster connector tells the index).
 """
@@ -48,7 +51,9 @@ class TieredKvConnector(KvCacheConnector):
         self.reader = reader
         self.writer = writer
         tiers.listener = self._tier_changed
-        self.stats = dict.fromkeys(("host_loaded_blocks", "disk_loaded_blocks", "tier_loads"), 0)
+        self.stats = dict.fromkeys(
+            ("host_loaded_blocks", "disk_loaded_blocks", "tier_loads", "promoted_blocks"), 0
+        )
         self._wake: Callable[[], None] = lambda: None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._results: list[LoadResult] = []
@@ -114,6 +119,22 @@ class TieredKvConnector(KvCacheConnector):
             self.stats[f"{medium}_loaded_blocks"] += 1
             n += 1
         return LoadResult(load_id, n, medium="disk" if "disk" in media[:n] else "host")
+
+    def promote(
+        self, hashes: Sequence[BlockHash], allocate: Callable[[int], list[int]]
+    ) -> list[int]:
+        """All of ``hashes`` from host memory into fresh blocks, or none (see the seam). The
+        bytes are read first: allocating may demote other blocks and push these out."""
+        if any(self.tiers.medium(h) != "host" for h in hashes):
+            return []
+        payloads = [self.tiers.read(h) for h in hashes]
+        if any(p is None for p in payloads):  # left memory since we looked
+            return []
+        block_ids = allocate(len(payloads))
+        for block_id, payload in zip(block_ids, payloads, strict=True):
+            self.writer(block_id, payload)
+        self.stats["promoted_blocks"] += len(block_ids)
+        return block_ids
 
     def _load_loop(self) -> None:
         while (job := self._jobs.get()) is not None:

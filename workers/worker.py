@@ -288,7 +288,9 @@ class Worker:
 
     def occupancy(self) -> dict[str, int]:
         """Queue lengths, for routers. ``running`` counts every admitted request, those
-        waiting for their prefix's load (also ``loading``) included."""
+        waiting for their prefix's load (also ``loading``) included. ``room_blocks``: what
+        the pool can give one request once the running ones finish (the pool less the blocks
+        peers pinned)."""
         sched = self.engine.scheduler
         return self.call(
             lambda: {
@@ -296,6 +298,7 @@ class Worker:
                 "loading": len(sched.loading),
                 "waiting": len(sched.waiting),
                 "free_blocks": self.kv.num_free_blocks,
+                "room_blocks": self.kv.num_blocks - len(self._pinned),
             }
         )
 
