@@ -11,12 +11,12 @@ Generation requests carry the API key (so their bodies reach validation); the GE
 cases without it are the ones that fuzz the key. ``/health`` takes no input: its one case is
 sent ``--cases`` times. One JSON line.
 
-By default the app is ``build_api`` over a ``LocalBackend`` on tiny-random (a real engine, a
-64-token context so that each generated request is cheap), behind uvicorn on loopback;
-``--cluster`` deploys the Serve app (tiny-random, one worker, a local Ray) and fuzzes it
-through Serve's proxy (its context is 2048 tokens, so a case may generate that many: expect
-it to take longer); ``--url`` fuzzes a running server. ``run_fuzz(base_url, ...)`` is the
-scenario as a function.
+By default the app is ``build_api`` over a ``LocalBackend`` on tiny-random (a real engine),
+behind uvicorn on loopback; ``--cluster`` deploys the Serve app (tiny-random, one worker, a
+local Ray) and fuzzes it through Serve's proxy; ``--url`` fuzzes a running server. The local
+apps' context is ``--max-model-len`` (64 tokens by default, so that each generated request is
+cheap; 0: the model's, where a case may generate 2048 tokens). ``run_fuzz(base_url, ...)`` is
+the scenario as a function.
 
     cd bench && ../.venv/bin/python fuzz.py [--cases 1000] [--cluster --cases 100]
 """
@@ -232,7 +232,7 @@ def run_fuzz(
 
 
 @contextmanager
-def _cluster_server(model: str, api_key: str) -> Iterator[str]:
+def _cluster_server(model: str, api_key: str, max_model_len: int | None) -> Iterator[str]:
     """The Serve app (one worker) on a local Ray; its URL."""
     import ray
     from ray import serve
@@ -244,7 +244,12 @@ def _cluster_server(model: str, api_key: str) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = ServeConfig(
-        model=model, workers=1, api_key=api_key, kv_cache_memory="64MiB", port=port
+        model=model,
+        workers=1,
+        api_key=api_key,
+        kv_cache_memory="64MiB",
+        port=port,
+        max_model_len=max_model_len,
     )
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -256,7 +261,7 @@ def _cluster_server(model: str, api_key: str) -> Iterator[str]:
 
 
 @contextmanager
-def _local_server(model: str, api_key: str) -> Iterator[str]:
+def _local_server(model: str, api_key: str, max_model_len: int | None) -> Iterator[str]:
     """build_api over a LocalBackend on ``model`` behind uvicorn on loopback; its URL."""
     import uvicorn
 
@@ -265,7 +270,7 @@ def _local_server(model: str, api_key: str) -> Iterator[str]:
     from kvmesh.cluster.openai_api import build_api
 
     backend = LocalBackend(
-        model=model, block_size=4, num_kv_blocks=64, max_model_len=64, progress=False
+        model=model, block_size=4, num_kv_blocks=64, max_model_len=max_model_len, progress=False
     )
     app = build_api(backend, model_name=model, api_key=api_key, admission=Admission(64))
     sock = socket.socket()
@@ -288,6 +293,9 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=1000, help="per route and generation mode")
     ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--cluster", action="store_true", help="fuzz the Serve app (local Ray)")
+    ap.add_argument(
+        "--max-model-len", type=int, default=64, help="the local app's context (0: the model's)"
+    )
     ap.add_argument("--url", help="fuzz this running server instead of a local one")
     ap.add_argument("--api-key", help="the running server's key (with --url)")
     ap.add_argument("--hang", type=float, default=30.0, help="seconds that make a hang")
@@ -298,10 +306,11 @@ def main() -> None:
         out = run_fuzz(args.url.rstrip("/"), args.model, api_key=args.api_key, **kw)
     else:
         server = _cluster_server if args.cluster else _local_server
-        with server(args.model, KEY) as url:
+        with server(args.model, KEY, args.max_model_len or None) as url:
             out = run_fuzz(url, args.model, api_key=KEY, **kw)
     backend = args.url or ("cluster" if args.cluster else "local")
-    print(json.dumps({**out, "model": args.model, "backend": backend}))
+    context = None if args.url else args.max_model_len
+    print(json.dumps({**out, "model": args.model, "backend": backend, "max_model_len": context}))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ class ServeConfig:
     num_gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs, else 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # The context (prompt + answer) a request may use; None: the model's. Longer prompts get
+    # a 400 at the ingress. A smaller one bounds what one request can cost a worker.
+    max_model_len: int | None = None
     device: str | None = None
     dtype: str | None = None
     # Autoscaling: with max_* set, the worker count above is the minimum and Serve scales
@@ -136,6 +139,8 @@ class ServeConfig:
             raise bad("max_request_bytes", "must be >= 1")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", "must be >= 2 (a prompt token and an answer token)")
         if self.max_queued_requests < 0:
             raise bad("max_queued_requests", "must be >= 0")
         for name in ("worker_resources", "ingress_resources"):
@@ -252,6 +257,7 @@ _TYPES: dict[str, type] = {
     "num_gpus_per_worker": float,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
+    "max_model_len": int,
     "device": str,
     "dtype": str,
     "max_workers": int,

@@ -46,6 +46,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "num-gpus-per-worker": {"type": float},
     "max-num-seqs": {"type": int},
     "max-num-batched-tokens": {"type": int},
+    "max-model-len": {"type": int, "help": "context per request (default: the model's)"},
     "device": {},
     "dtype": {"choices": ["float32", "float16", "bfloat16"]},
     "max-workers": {"type": int, "help": "autoscale unified workers up to this many"},

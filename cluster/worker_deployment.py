@@ -81,6 +81,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         disk_cache_size=config.disk_cache_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
         device=config.device,
         dtype=config.dtype,
         progress=False,

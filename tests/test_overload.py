@@ -28,6 +28,7 @@ from kvmesh.cluster.launch import add_serve_args, config_from_args
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
 from kvmesh.cluster.serve_app import deploy
+from kvmesh.cluster.worker_deployment import engine_config
 from tests.openai_helpers import MODEL, Spy, call
 from tests.openai_helpers import serve as serve_http
 from tests.ray_fixtures import ray_session  # noqa: F401
@@ -117,7 +118,13 @@ def test_the_limit_is_the_workers_batch_share_plus_the_queue() -> None:
     # Under P/D the decode workers hold the requests; a prefill holds one for a token.
     pd = ServeConfig(prefill_workers=4, decode_workers=2, max_num_seqs=8, max_queued_requests=0)
     assert pd.admission_limit == 16
-    for bad in ({"max_queued_requests": -1}, {"retry_after_s": 0.0}, {"max_num_seqs": 0}):
+    bad_settings = (
+        {"max_queued_requests": -1},
+        {"retry_after_s": 0.0},
+        {"max_num_seqs": 0},
+        {"max_model_len": 1},
+    )
+    for bad in bad_settings:
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServeConfig(**bad)  # type: ignore[arg-type]
 
@@ -132,8 +139,10 @@ def test_the_settings_come_from_flags_and_yaml(tmp_path: Any) -> None:
     config = config_from_args(p.parse_args(["--config", str(yaml_file)]))
     assert (config.max_queued_requests, config.retry_after_s) == (7, 4)
     flags = ["--config", str(yaml_file), "--max-queued-requests", "0", "--retry-after-s", "2.5"]
-    config = config_from_args(p.parse_args(flags))
+    config = config_from_args(p.parse_args([*flags, "--max-model-len", "256"]))
     assert (config.max_queued_requests, config.retry_after_s) == (0, 2.5)
+    assert config.max_model_len == 256 and engine_config(config).max_model_len == 256
+    assert engine_config(ServeConfig()).max_model_len is None  # the model's
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +238,9 @@ def test_a_burst_far_above_the_limit_is_refused_fast_and_the_admitted_are_right(
     """1 worker running 2 sequences + 2 waiting = 4 admitted; 32 requests at once (half of
     them streams) over HTTP, then 16 through the handle."""
     serve.shutdown()
-    config = tiny_config(workers=1, max_num_seqs=2, max_queued_requests=2, retry_after_s=2.0)
+    config = tiny_config(
+        workers=1, max_num_seqs=2, max_queued_requests=2, retry_after_s=2.0, max_model_len=64
+    )
     assert config.admission_limit == 4
     handle = deploy(config)
     port = config.port
@@ -284,6 +295,11 @@ def test_a_burst_far_above_the_limit_is_refused_fast_and_the_admitted_are_right(
         status, _, body = post(port, {**gen, "prompt": prompts[0]})
         assert status == 200 and body["choices"][0]["text"] == reference[0]
         assert call(port, "GET", "/health")[0] == 200
+        # The deployment's context (max_model_len) reached its workers and the ingress.
+        status, _, body = post(port, {**gen, "prompt": [5] * 64})
+        assert status == 400 and "64 tokens" in body["error"]["message"], body
+        status, _, body = post(port, {**gen, "prompt": [5] * 8, "max_tokens": 57})
+        assert status == 400 and "context of 64 tokens" in body["error"]["message"], body
     finally:
         serve.shutdown()
 
