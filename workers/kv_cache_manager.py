@@ -348,7 +348,7 @@ class KVCacheManager:
         held = [b for b in blocks[:n] if b is not None]
         self.pool.touch(held)  # before promoting: its allocations must not evict them
         if n < len(hashes):
-            promoted = self._promote(hashes[n:], len(hashes) - n)
+            promoted = self._promote(hashes[n:])
             if promoted is None:
                 self.pool.free_blocks(held[::-1])
                 return None
@@ -356,9 +356,10 @@ class KVCacheManager:
         self.pins[lease_id] = held
         return [b.block_id for b in held]
 
-    def _promote(self, hashes: list[BlockHash], n: int) -> list[KVBlock] | None:
+    def _promote(self, hashes: list[BlockHash]) -> list[KVBlock] | None:
         """The connector's memory-tier copies of all of ``hashes``, in fresh registered blocks
         (one reference each, the pin's); None, and nothing kept, when it lacks any of them."""
+        n = len(hashes)
         new: list[KVBlock] = []
 
         def allocate(k: int) -> list[int]:
