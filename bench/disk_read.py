@@ -32,7 +32,7 @@ import torch
 import xxhash
 from tier import drop_page_cache
 
-from kvmesh.workers.kv_tiers import _HEADER, DiskTier
+from kvmesh.workers.disk_tier import _HEADER, DiskTier
 from kvmesh.workers.tiered_connector import DISK_READERS
 
 SMOLLM2_BLOCK_NBYTES = 30 * 2 * 16 * 3 * 64 * 4  # layers, K/V, block, kv heads, head dim, fp32

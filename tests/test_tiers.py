@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvmesh.workers.block_hash import BlockHash, block_hashes
+from kvmesh.workers.disk_tier import DiskTier
 from kvmesh.workers.kv_connector import NoopKvCacheConnector
-from kvmesh.workers.kv_tiers import DiskTier, KvTiers, TierConfig
+from kvmesh.workers.kv_tiers import KvTiers, TierConfig
 from kvmesh.workers.llm import LLM
 from kvmesh.workers.sampling_params import SamplingParams
 from kvmesh.workers.tiered_connector import TieredKvConnector
