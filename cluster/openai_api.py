@@ -60,10 +60,10 @@ from kvmesh.cluster.protocol import (
     B,
     ChatCompletionRequest,
     CompletionRequest,
-    ResponseShape,
     parse_body,
     valid,
 )
+from kvmesh.cluster.response_shape import ResponseShape
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

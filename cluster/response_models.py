@@ -1,4 +1,4 @@
-"""The OpenAPI schema of what ``protocol.ResponseShape`` builds: pydantic models of OpenAI's
+"""The OpenAPI schema of what ``response_shape.ResponseShape`` builds: pydantic models of OpenAI's
 response objects (and kvmesh's ``kvmesh`` extra), used to document the routes and, in the
 tests, to check that every dict the API sends has exactly this shape."""
 

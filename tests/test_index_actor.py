@@ -12,8 +12,8 @@ from ray.exceptions import RayActorError
 
 from kvmesh.connector.events import EventPublisher
 from kvmesh.connector.index_actor import get_index_actor
+from tests.kv_index_helpers import BASE, FORK4, FORK8
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.test_kv_index import BASE, FORK4, FORK8
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

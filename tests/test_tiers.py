@@ -1,12 +1,11 @@
-"""The host and disk tiers: budgets, the disk's files (torn, foreign, full disk), restarts,
-and an engine whose outputs equal the no-tier reference after its blocks went down and back."""
+"""The host and disk tiers themselves: budgets, the disk's files (torn, foreign, full disk),
+slots per worker, settings, and a random walk over a pool with both tiers."""
 
 from __future__ import annotations
 
 import errno
 import shutil
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,20 +14,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvmesh.workers.block_hash import BlockHash, block_hashes
+from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier
 from kvmesh.workers.kv_connector import NoopKvCacheConnector
 from kvmesh.workers.kv_tiers import KvTiers, TierConfig
 from kvmesh.workers.llm import LLM
-from kvmesh.workers.sampling_params import SamplingParams
 from kvmesh.workers.tiered_connector import TieredKvConnector
 from tests.kv_harness import KvHarness
 
 FP = "0123456789abcdef"
 NBYTES = 64
-GREEDY = SamplingParams(max_tokens=4, temperature=0)
-# Six 160-token prompts that share nothing: in a 24-block pool each evicts the one before.
-PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(160)] for i in range(6)]
 
 
 def h(i: int) -> BlockHash:
@@ -189,140 +184,6 @@ def test_tier_settings_are_checked() -> None:
         TierConfig(disk_bytes=100)
 
 
-# -- the engine -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    llm = LLM("tiny-random", num_kv_blocks=24, progress=False)
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-
-
-class Announced(NoopKvCacheConnector):
-    """Records what the tiers tell a connector (the cluster connector tells the index)."""
-
-    def __init__(self) -> None:
-        self.held: dict[str, set[BlockHash]] = {"host": set(), "disk": set()}
-
-    def on_tier_store(self, medium: str, hashes: Sequence[BlockHash]) -> None:
-        self.held[medium] |= set(hashes)
-
-    def on_tier_remove(self, medium: str, hashes: Sequence[BlockHash]) -> None:
-        self.held[medium] -= set(hashes)
-
-
-def churn(llm: LLM, reference: list[list[int]]) -> None:
-    """Each prompt alone, so each evicts the ones before (down into the tiers)."""
-    for p, want in zip(PROMPTS, reference, strict=True):
-        assert llm.generate([p], GREEDY)[0].token_ids == want
-
-
-def test_outputs_equal_after_blocks_went_to_disk_and_came_back(
-    tmp_path: Path, reference: list[list[int]]
-) -> None:
-    kw = {"host_cache_memory": 20 * 8192, "disk_cache_dir": str(tmp_path)}
-    llm = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
-    churn(llm, reference)
-    time.sleep(0.2)  # the writer
-    outs = llm.generate(PROMPTS[:3], GREEDY)
-    assert [o.token_ids for o in outs] == reference[:3]
-    m = [o.metrics for o in outs]
-    assert sum(x.num_disk_hit_tokens for x in m) > 0, m
-    for x, p in zip(m, PROMPTS, strict=False):
-        total = x.num_local_hit_tokens + x.num_host_hit_tokens + x.num_disk_hit_tokens
-        assert total + x.num_computed_tokens == len(p)
-    stats = llm.engine.kv.connector.get_stats()
-    assert stats["disk_loaded_blocks"] > 0 and stats["disk_corrupt_blocks"] == 0
-    llm.close()
-
-
-def test_a_restarted_worker_announces_its_disk_blocks_and_serves_them(
-    tmp_path: Path, reference: list[list[int]]
-) -> None:
-    kw = {"disk_cache_dir": str(tmp_path), "disk_cache_size": "16MiB"}
-    first = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
-    churn(first, reference)
-    first.close()  # finishes the queued writes
-    on_disk = {bytes.fromhex(p.stem) for p in tmp_path.glob("*/slot-0/*/*.kvb")}
-    assert on_disk
-
-    inner = Announced()
-    second = LLM("tiny-random", num_kv_blocks=24, progress=False, connector=inner, **kw)
-    assert inner.held["disk"] == on_disk
-    out = second.generate(PROMPTS[:1], GREEDY)[0]
-    assert out.token_ids == reference[0]
-    assert out.metrics.num_disk_hit_tokens == 144  # all 9 full blocks but the last token's
-    second.close()
-
-
-def test_a_pin_promotes_host_blocks_into_the_pool_and_never_disk_ones(
-    tmp_path: Path, reference: list[list[int]]
-) -> None:
-    """A peer pins a prompt the pool evicted: from host memory it comes back into fresh pool
-    blocks (their bytes the tier's, registered, held by the lease); a prompt only on disk is
-    refused with nothing taken (the peer computes it)."""
-    kw = {"host_cache_memory": 12 * 8192, "disk_cache_dir": str(tmp_path)}
-    llm = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
-    churn(llm, reference)
-    kv, tiers = llm.engine.kv, llm.engine.kv.connector.tiers
-    tiers.wait_written()
-    ns = llm.engine.fingerprint.namespace
-
-    def chain(p: list[int]) -> list[BlockHash]:
-        return block_hashes(p, 16, ns)[:9]
-
-    def media(p: list[int]) -> set[str | None]:
-        """Where each block of p's chain is: a tier's name, or "pool"."""
-        return {"pool" if kv.pool.get_cached_block(x) else tiers.medium(x) for x in chain(p)}
-
-    # The pool evicts a chain's tail first, so a prompt is partly in the pool, partly in host.
-    in_host = next(p for p in PROMPTS if "host" in media(p) and media(p) <= {"pool", "host"})
-    on_disk = next(p for p in PROMPTS if media(p) == {"disk"})
-    free = kv.num_free_blocks
-    assert kv.pin("on-disk", chain(on_disk)) is None
-    assert kv.num_free_blocks == free and not kv.pins
-    kv.check_integrity()
-
-    promoted = {x: tiers.read(x) for x in chain(in_host) if tiers.medium(x) == "host"}
-    ids = kv.pin("lease", chain(in_host))
-    assert ids is not None and len(ids) == 9
-    for x, block_id in zip(chain(in_host), ids, strict=True):
-        assert kv.pool.get_cached_block(x).block_id == block_id
-        if x in promoted:
-            assert llm.engine.kv_cache.read_block(block_id) == promoted[x]
-    assert llm.engine.kv.connector.get_stats()["promoted_blocks"] == len(promoted) > 0
-    kv.check_integrity()  # the lease's references counted
-    kv.unpin("lease")
-    kv.check_integrity()
-    out = llm.generate([in_host], GREEDY)[0]  # a local hit on the promoted blocks now
-    assert out.token_ids == reference[PROMPTS.index(in_host)]
-    assert out.metrics.num_local_hit_tokens == 144
-    llm.close()
-
-
-def test_corrupt_disk_blocks_are_computed(tmp_path: Path, reference: list[list[int]]) -> None:
-    kw = {"disk_cache_dir": str(tmp_path), "disk_cache_size": "16MiB"}
-    first = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
-    churn(first, reference)
-    fingerprint = first.engine.fingerprint
-    first.close()
-    hashes = block_hashes(PROMPTS[0], 16, fingerprint.namespace)
-    path = next(tmp_path.glob(f"*/slot-0/*/{hashes[0].hex()}.kvb"))
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01  # a flipped bit in the first block: the header still reads well
-    path.write_bytes(bytes(data))
-    second = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
-    out = second.generate(PROMPTS[:1], GREEDY)[0]
-    assert out.token_ids == reference[0]
-    assert out.metrics.num_disk_hit_tokens == 0 and out.metrics.num_computed_tokens == 160
-    # The first block stops the load (the blocks read ahead of it are whole, and unused).
-    assert second.engine.kv.connector.get_stats()["disk_corrupt_blocks"] == 1
-    assert not path.exists()
-    again = second.generate(PROMPTS[1:2], GREEDY)[0]  # its blocks are all whole
-    assert again.token_ids == reference[1] and again.metrics.num_disk_hit_tokens == 144
-    second.close()
-
-
 # -- a random walk over the pool and the tiers ----------------------------------------------
 
 MACHINE_PROMPTS = [[p] * 3 + [p + 1, p + 2] * 3 for p in range(0, 50, 10)]  # 4 full blocks each
@@ -392,47 +253,3 @@ TierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30
 def test_tier_machine() -> None:
     TierMachine.TestCase("runTest").runTest()
     assert LOADS["host"] > 0 and LOADS["disk"] > 0, LOADS  # the walk did reach both tiers
-
-
-def test_the_api_reports_tier_hits_and_metrics(tmp_path: Path) -> None:
-    import openai
-
-    from kvmesh.cluster.local_backend import LocalBackend
-    from kvmesh.cluster.openai_api import build_api
-    from tests.openai_helpers import call, check_kvmesh, serve
-
-    backend = LocalBackend(
-        model="tiny-random", num_kv_blocks=24, disk_cache_dir=str(tmp_path), progress=False
-    )
-    texts = [
-        chr(97 + i) * 40 + "".join(chr(65 + (j * (i + 3)) % 26) for j in range(120))
-        for i in range(6)
-    ]
-    try:
-        with serve(build_api(backend, model_name="tiny-random")) as port:
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-            first = None
-            for text in texts:  # each evicts the one before: down to the disk tier
-                r = client.completions.create(
-                    model="tiny-random", prompt=text, max_tokens=4, temperature=0
-                )
-                first = first or r
-            assert backend.worker.kv.connector.tiers.wait_written()
-            again = client.completions.create(
-                model="tiny-random", prompt=texts[0], max_tokens=4, temperature=0
-            )
-            assert again.choices[0].text == first.choices[0].text
-            kv = again.model_extra["kvmesh"]
-            check_kvmesh(kv, again.usage)
-            assert kv["disk_hit_tokens"] >= 128 and kv["local_hit_tokens"] == 0
-            status, body = call(port, "GET", "/metrics")
-            assert status == 200
-            assert 'kvmesh_prompt_tokens_total{source="disk_hit"}' in body
-            loaded = [
-                line
-                for line in body.splitlines()
-                if line.startswith('kvmesh_tier_loaded_blocks_total{medium="disk"}')
-            ]
-            assert loaded and float(loaded[0].split()[-1]) >= 8, loaded
-    finally:
-        backend.shutdown()
