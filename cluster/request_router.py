@@ -26,6 +26,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from kvmesh.cluster.router import Router, WorkerView
 from kvmesh.cluster.worker_deployment import worker_name
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
+from kvmesh.connector.holder_sets import pullable_depths
 from kvmesh.connector.index_actor import get_index_actor
 
 logger = logging.getLogger(__name__)
@@ -204,11 +205,7 @@ def _worker_request(pending: PendingRequest | None) -> WorkerRequest | None:
 
 
 def _holder(info: dict, worker: str) -> str | None:
-    """The peer ``worker`` pulls from: the deepest in its pool or host tier (host blocks are
-    promoted into its pool when pinned), over every worker the index knows (a prefill
-    worker of another deployment included), ``worker`` left out."""
-    depths = dict(info.get("held", {}))
-    for w, t in info.get("tiers", {}).items():
-        depths[w] = max(depths.get(w, 0), t.get("host", 0))
-    depths = {w: d for w, d in depths.items() if w != worker and d}
+    """The peer ``worker`` pulls from: the deepest :func:`pullable_depth`, over every worker
+    the index knows (a prefill worker of another deployment included), ``worker`` left out."""
+    depths = pullable_depths(info.get("held", {}), info.get("tiers", {}), exclude=worker)
     return max(depths, key=lambda w: (depths[w], w)) if depths else None

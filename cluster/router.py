@@ -10,7 +10,10 @@ The kv_aware cost model (docs/router.md) for a prompt of ``n`` full blocks on wo
     compute_w = n - local_w - tier_w - pull_w blocks, plus the partial last block
     ttft_w    = max(wait_w, backlog_w * t_token) + compute_w * block_size * t_token
                 + pull_w * t_pull_block + host_w * t_host_block + disk_w * t_disk_block
-                + queue_w * t_queue
+                + promoted_w * t_host_block + queue_w * t_queue
+
+``promoted_w`` are the pulled blocks the holder keeps in its host tier, not its pool: it
+copies them into its pool under the pin before the read, the same copy as a host-tier load.
     cost_w    = ttft_w + (duplicate_w + moved_w) * block_size * t_token
 
 ``wait_w`` is how long until the peer's in-flight prefix is computed and published;
@@ -33,6 +36,8 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from kvmesh.connector.holder_sets import pullable_depth
 
 PRIOR_T_TOKEN_S = 2e-3
 PRIOR_T_PULL_BLOCK_S = 2e-4
@@ -65,9 +70,8 @@ class WorkerView:
 
     @property
     def pull_depth(self) -> int:
-        """Leading blocks a peer can pull from it: its pool's, and its host tier's (promoted
-        into its pool when pinned; the memory copy is small beside the read)."""
-        return max(self.depth, self.host_depth)
+        """Leading blocks a peer can pull from it (:func:`pullable_depth`)."""
+        return pullable_depth(self.depth, {"host": self.host_depth})
 
 
 @dataclass
@@ -108,11 +112,8 @@ class CostModel:
         queue_part = queue_len * self.t_queue_s if queue_s is None else queue_s
         tier_part = 0.0
         if tier is not None and tier[1] > 0:
-            medium, blocks, seconds = tier
-            key = f"t_{medium}_block_s"
-            setattr(self, key, _ema(getattr(self, key), seconds / blocks, self.samples[medium]))
-            self.samples[medium] += 1
-            tier_part = seconds
+            self.observe_tier(*tier)
+            tier_part = tier[2]
         read_blocks = pulled_blocks if read_blocks is None else read_blocks
         if read_blocks and pull_s is not None:
             failed_tokens = max(read_blocks - pulled_blocks, 0) * block_size
@@ -133,6 +134,15 @@ class CostModel:
                 queue_s = max(ttft_s - own, 0.0)
             self.t_queue_s = _ema(self.t_queue_s, queue_s / queue_len, self.samples["queue"])
             self.samples["queue"] += 1
+
+    def observe_tier(self, medium: str, blocks: int, seconds: float) -> None:
+        """``blocks`` copied from this worker's ``medium`` tier ("host" or "disk") into its
+        pool in ``seconds``: a load, or a promotion a peer's pin asked for (the same copy)."""
+        if blocks <= 0:
+            return
+        key = f"t_{medium}_block_s"
+        setattr(self, key, _ema(getattr(self, key), seconds / blocks, self.samples[medium]))
+        self.samples[medium] += 1
 
 
 def _ema(old: float, new: float, seen: int) -> float:
@@ -268,7 +278,8 @@ class Router:
                 source = peer
         if reach > own or source is not None:  # it pulls what a peer holds beyond its tiers
             extra = duplicate + moved
-            options.append(self._option(v, n, partial, local, reach, extra, 0.0, source))
+            promote_s = self._promote_s(others, local, reach, n)
+            options.append(self._option(v, n, partial, local, reach, extra, 0.0, source, promote_s))
         # Or its own tiers and compute the rest (what peers hold too: faster than pulling
         # over a slow link).
         own_opt = self._option(v, n, partial, own, own, duplicate + moved, 0.0, None, load_s)
@@ -277,6 +288,16 @@ class Router:
             wait = others[peer].pending_wait_tokens * self.cost.t_token_s
             options.append(self._option(v, n, partial, local, computing, moved, wait, peer))
         return options
+
+    def _promote_s(self, others: Mapping[str, WorkerView], local: int, reach: int, n: int) -> float:
+        """What the deepest peer (the plan's holder) spends promoting the pulled blocks it
+        keeps in its host tier, not its pool, before the read: the same copy as a load from
+        a host tier, at that learned cost."""
+        if reach <= local or not others:
+            return 0.0
+        name = max(others, key=lambda w: (min(others[w].pull_depth, n), w))
+        in_pool = max(min(others[name].depth, n), local)
+        return max(reach - in_pool, 0) * self.cost.t_host_block_s
 
     def _option(
         self,
@@ -290,8 +311,9 @@ class Router:
         wait_for: str | None,
         load_s: float = 0.0,
     ) -> _Option:
-        """Blocks up to ``local`` are the worker's own (``load_s`` to load those from its
-        tiers), up to ``reach`` pulled, the rest computed."""
+        """Blocks up to ``local`` are the worker's own, up to ``reach`` pulled, the rest
+        computed; ``load_s``: copying blocks out of a host or disk tier (its own tiers' loads,
+        or the holder's promotions for a pull)."""
         c, bs = self.cost, self.block_size
         pull = reach - local
         compute_tokens = (n - reach) * bs + partial

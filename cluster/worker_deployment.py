@@ -32,6 +32,7 @@ from kvmesh.connector.cluster_connector import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
+from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.outputs import RequestMetrics, StreamDelta
 from kvmesh.workers.worker_actor import worker_actor_class
 
@@ -110,6 +111,8 @@ class WorkerDeployment:
         self.index = get_index_actor(self.info["fingerprint"]) if self.config.connector else None
         self.cost = CostModel()
         self._reads = (0.0, 0)  # the connector's (pull_s, read_blocks) at the last sample
+        self._host_tier = parse_memory(self.config.host_cache_memory) > 0
+        self._promotions = (0, 0.0)  # its (promoted_blocks, promote_s) at the last sample
         self._stats: dict[str, Any] = {}
         self._closed = False
         # Prefixes requests here are waiting for (from a peer), by their last block's hash.
@@ -248,6 +251,8 @@ class WorkerDeployment:
             occupancy = await asyncio.wait_for(self.actor.occupancy.remote(), 5)
         except Exception:
             occupancy = {}
+        if self._host_tier:
+            await self._learn_promotions()
         c = self.cost
         self._stats = {
             **occupancy,
@@ -260,6 +265,20 @@ class WorkerDeployment:
             "at": time.time(),
         }
         return self._stats
+
+    async def _learn_promotions(self) -> None:
+        """Fold the host-tier blocks this worker promoted for peers' pins since the last sample
+        into its ``t_host_block`` (the same copy as a load from its host tier)."""
+        try:
+            stats = await asyncio.wait_for(self.actor.connector_stats.remote(), 5)
+        except Exception:
+            return
+        blocks, seconds = int(stats.get("promoted_blocks", 0)), float(stats.get("promote_s", 0))
+        if blocks > self._promotions[0]:
+            self.cost.observe_tier(
+                "host", blocks - self._promotions[0], seconds - self._promotions[1]
+            )
+        self._promotions = (blocks, seconds)
 
     def __del__(self) -> None:
         """Serve stops this replica (scale down, redeploy, shutdown) after draining it:

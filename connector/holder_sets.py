@@ -225,3 +225,26 @@ def cumulative_depths(
         if i > depths[0]:
             out[w] = dict(zip(names, depths, strict=True))
     return out
+
+
+def pullable_depth(device_depth: int, tier_depths: Mapping[str, int]) -> int:
+    """Leading blocks a peer can pull from one worker: those in its device pool or its host
+    tier (``tier_depths``: :func:`cumulative_depths`' entry for it). A holder promotes host
+    blocks into its pool when a peer pins them (the memory copy is small beside the read);
+    disk blocks it does not, so a peer computes those."""
+    return max(device_depth, tier_depths.get("host", 0))
+
+
+def pullable_depths(
+    held: Mapping[str, int],
+    tiers: Mapping[str, Mapping[str, int]],
+    exclude: str | None = None,
+) -> dict[str, int]:
+    """``{worker: n >= 1}``: :func:`pullable_depth` of every worker in ``held`` (device pool
+    depths) or ``tiers`` (:func:`cumulative_depths`), ``exclude`` left out."""
+    out = {}
+    for w in held.keys() | tiers.keys():
+        depth = pullable_depth(held.get(w, 0), tiers.get(w, {}))
+        if depth and w != exclude:
+            out[w] = depth
+    return out

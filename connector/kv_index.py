@@ -38,7 +38,7 @@ from kvmesh.connector.events import (
     decode_records,
     require_block_hashes,
 )
-from kvmesh.connector.holder_sets import HolderSets, cumulative_depths
+from kvmesh.connector.holder_sets import HolderSets, cumulative_depths, pullable_depths
 from kvmesh.connector.pending_entries import DEFAULT_PENDING_TTL_S, PendingEntries
 
 ApplyStatus = Literal["applied", "duplicate", "gap", "rejected"]
@@ -331,12 +331,10 @@ class KvIndex:
 
     def pull_depths(self, hashes: Sequence[bytes], exclude: str | None = None) -> dict[str, int]:
         """``{worker: n}``: what a peer can pull from that worker, the first ``n >= 1`` blocks
-        of ``hashes`` each in its device pool or its host tier (a holder promotes host blocks
-        into its pool when a peer pins them). :meth:`lookup`'s rules otherwise."""
+        of ``hashes`` (:func:`pullable_depth`). :meth:`lookup`'s rules otherwise."""
         self._counts["lookups"] += 1
         held = self._device.lookup(hashes, exclude)
-        tiers = cumulative_depths(self._media, hashes, held)
-        return {**held, **{w: d["host"] for w, d in tiers.items() if w != exclude and d["host"]}}
+        return pullable_depths(held, cumulative_depths(self._media, hashes, held), exclude)
 
     def tier_depths(self, hashes: Sequence[bytes]) -> dict[str, dict[str, int]]:
         """``{worker: {"device": d0, "host": d1, "disk": d2}}``, cumulative leading depths: the

@@ -4,6 +4,9 @@ import pytest
 
 from kvmesh.cluster.request_router import _holder
 from kvmesh.cluster.router import CostModel, Router, WorkerView
+from kvmesh.connector.events import EventBatch, Stored, encode_batch
+from kvmesh.connector.holder_sets import pullable_depths
+from kvmesh.connector.kv_index import KvIndex
 
 BS = 16
 
@@ -241,6 +244,33 @@ def test_cost_model_learns_tier_costs() -> None:
     assert m.t_host_block_s == pytest.approx(1e-4) and m.samples["host"] == 1
 
 
+def test_a_pull_from_a_peers_host_tier_is_charged_its_promotion() -> None:
+    """The holder copies host-tier blocks into its pool under the pin before the read: each
+    such block costs a host-tier copy on top of the pull, so a slow promotion makes the worker
+    compute instead (before: priced as a pool pull, it pulled)."""
+    tokens = 64 * BS + 5
+    r = Router("kv_aware", BS)
+    r.cost.t_token_s, r.cost.t_pull_block_s, r.cost.t_host_block_s = 1e-4, 1e-4, 1e-4
+    views = {"a": WorkerView(), "c": WorkerView(depth=24, host_depth=64, queue=40)}
+    c = r.choose(["a"], views, tokens)
+    assert (c.pull_blocks, c.compute_tokens) == (64, 5)
+    assert c.estimated_ttft_s == pytest.approx(64 * 1e-4 + 40 * 1e-4 + 5 * 1e-4)
+    r.cost.t_host_block_s = 0.01  # 40 promotions: 0.4 s, against 0.1 s to compute it all
+    c = r.choose(["a"], views, tokens)
+    assert (c.pull_blocks, c.compute_tokens) == (0, tokens)
+    # A peer with everything in its pool pulls at the plain pull cost.
+    views["c"] = WorkerView(depth=64, host_depth=64, queue=40)
+    assert r.choose(["a"], views, tokens).pull_blocks == 64
+
+
+def test_a_holders_promotions_teach_its_host_block_cost() -> None:
+    cost = CostModel()
+    cost.observe_tier("host", 126, 0.16)
+    assert cost.t_host_block_s == pytest.approx(0.16 / 126) and cost.samples["host"] == 1
+    cost.observe_tier("host", 0, 1.0)  # nothing copied: no sample
+    assert cost.samples["host"] == 1
+
+
 def test_the_plans_holder_is_the_deepest_pool_or_host_tier_of_any_worker() -> None:
     """Every worker the index knows counts, not only this deployment's replicas (the decode
     router pulls from a prefill worker); a disk tier is not pulled from."""
@@ -253,3 +283,24 @@ def test_the_plans_holder_is_the_deepest_pool_or_host_tier_of_any_worker() -> No
     assert _holder({"held": {"prefill-1": 5}}, "decode-2") == "prefill-1"
     assert _holder({"held": {"decode-2": 5}}, "decode-2") is None
     assert _holder({}, "decode-2") is None
+
+
+def test_the_index_the_plan_and_the_view_agree_on_what_a_peer_can_pull() -> None:
+    """One rule (pool or host tier, never disk) for the index's pull depths, the plan's holder
+    and the router's view of a worker."""
+    index = KvIndex("fp")
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    events = {
+        "a": (Stored(tuple(hashes[:2])), Stored(tuple(hashes[2:4]), hashes[1], "host")),
+        "b": (Stored(tuple(hashes[:1])), Stored(tuple(hashes[1:]), hashes[0], "disk")),
+    }
+    for w, evs in events.items():
+        token = index.register(w, "fp")
+        assert index.apply(encode_batch(EventBatch(w, 0, evs)), token).status == "applied"
+    held, tiers = index.lookup(hashes), index.tier_depths(hashes)
+    assert pullable_depths(held, tiers) == index.pull_depths(hashes) == {"a": 4, "b": 1}
+    assert index.pull_depths(hashes, exclude="a") == pullable_depths(held, tiers, "a") == {"b": 1}
+    assert _holder({"held": held, "tiers": tiers}, "b") == "a"
+    assert _holder({"held": held, "tiers": tiers}, "a") == "b"
+    view = WorkerView(depth=held["a"], host_depth=tiers["a"]["host"], disk_depth=4)
+    assert view.pull_depth == 4

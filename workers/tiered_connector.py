@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,9 +52,10 @@ class TieredKvConnector(KvCacheConnector):
         self.reader = reader
         self.writer = writer
         tiers.listener = self._tier_changed
-        self.stats = dict.fromkeys(
+        self.stats: dict[str, float] = dict.fromkeys(
             ("host_loaded_blocks", "disk_loaded_blocks", "tier_loads", "promoted_blocks"), 0
         )
+        self.stats["promote_s"] = 0.0  # time in promote (reading the tier, writing the pool)
         self._wake: Callable[[], None] = lambda: None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._results: list[LoadResult] = []
@@ -127,13 +129,16 @@ class TieredKvConnector(KvCacheConnector):
         bytes are read first: allocating may demote other blocks and push these out."""
         if any(self.tiers.medium(h) != "host" for h in hashes):
             return []
+        started = time.perf_counter()
         payloads = [self.tiers.read(h) for h in hashes]
         if any(p is None for p in payloads):  # left memory since we looked
             return []
         block_ids = allocate(len(payloads))
         for block_id, payload in zip(block_ids, payloads, strict=True):
             self.writer(block_id, payload)
+        # The same copy as a load from the host tier: routers charge it at that cost.
         self.stats["promoted_blocks"] += len(block_ids)
+        self.stats["promote_s"] += time.perf_counter() - started
         return block_ids
 
     def _load_loop(self) -> None:
