@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvmesh.workers.kv_cache_manager import Allocation, KVCacheManager
+from kvmesh.workers.kv_allocation import Allocation
+from kvmesh.workers.kv_cache_manager import KVCacheManager
 from kvmesh.workers.kv_connector import KvCacheConnector
 from kvmesh.workers.request import Request
 

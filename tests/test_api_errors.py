@@ -14,7 +14,7 @@ from kvmesh.cluster.frontend import WorkerLostError
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
 from kvmesh.cluster.response_models import ChatCompletionChunk, ErrorResponse
-from kvmesh.workers.kv_cache_manager import RequestTooLargeError
+from kvmesh.workers.kv_allocation import RequestTooLargeError
 from tests.api_helpers import CHAT, assert_bad, chat, complete, sse_events
 from tests.openai_helpers import MODEL, Spy, call, serve
 

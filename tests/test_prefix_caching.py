@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvmesh.workers.kv_cache_manager import RequestTooLargeError
+from kvmesh.workers.kv_allocation import RequestTooLargeError
 from tests.kv_harness import KvHarness
 
 

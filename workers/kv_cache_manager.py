@@ -27,6 +27,12 @@ from dataclasses import dataclass
 
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.block_pool import BlockPool, KVBlock
+from kvmesh.workers.kv_allocation import (
+    Allocation,
+    ComputedBlocks,
+    LoadOutcome,
+    RequestTooLargeError,
+)
 from kvmesh.workers.kv_connector import (
     KvCacheConnector,
     LoadResult,
@@ -42,43 +48,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class ComputedBlocks:
-    """The result of a prefix lookup: local hits, then blocks the connector says it has."""
-
-    local_blocks: tuple[KVBlock, ...] = ()
-    num_external_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """What ``allocate_slots`` did. Token counts are multiples of the block size."""
-
-    new_blocks: tuple[KVBlock, ...]  # blocks to compute into (loaded or loading excluded)
-    num_local_hit_tokens: int = 0
-    num_loaded_tokens: int = 0
-    # Tokens a background load is filling: the request waits until ``poll_loads`` says.
-    num_loading_tokens: int = 0
-    loaded_medium: str = "peer"  # where the loaded tokens came from (``LoadResult.medium``)
-
-    @property
-    def num_kv_tokens(self) -> int:
-        """Tokens whose KV the request holds before this step computes anything."""
-        return self.num_local_hit_tokens + self.num_loaded_tokens
-
-
-@dataclass(frozen=True)
-class LoadOutcome:
-    """A request's background load ended (``poll_loads``)."""
-
-    request: Request
-    num_loaded_tokens: int  # registered; the rest of the loading tokens are to be computed
-    # The load's blocks are quarantined: the request now holds no blocks and starts over,
-    # computing its prefix (``request.may_pull`` is False).
-    restart: bool = False
-    medium: str = "peer"  # where the loaded tokens came from (``LoadResult.medium``)
-
-
 @dataclass
 class _Load:
     """A background load: its request and the fresh blocks it fills."""
@@ -89,10 +58,6 @@ class _Load:
     num_local_blocks: int
     # Set when the request was freed while the load ran: all of its blocks, freed at the end.
     orphaned: list[KVBlock] | None = None
-
-
-class RequestTooLargeError(ValueError):
-    """The request's tokens can never fit in the pool, however empty it gets."""
 
 
 class KVCacheManager:
