@@ -213,6 +213,12 @@ def main() -> None:
         )
         handle = deploy(config)
         results[name] = asyncio.run(run_setup(handle, system, convs, args.max_tokens))
+        # The workers' tier and pull counters, summed (what moved where, what was dropped).
+        stats = handle.stats.remote().result()
+        results[name]["summary"]["counters"] = {
+            k: round(v, 3) for k, v in stats.items() if isinstance(v, int | float)
+        }
+        results[name]["summary"]["index_counters"] = stats.get("index", {})
         serve.shutdown()
         if disk_dir:
             shutil.rmtree(disk_dir, ignore_errors=True)

@@ -6,8 +6,9 @@ pulls a 2048-token prefix from worker A. Reported, in one JSON line:
 - ``max_gap_over_median``: the streams' longest gap between two tokens that overlaps the pull
   (from the pulled request's arrival to its first token, so the step that computes its suffix
   is in), over the streams' median gap (target <= 1.5). Also reported: the same for the
-  request as a local hit (``local_hit_...``: what its suffix's step alone costs the streams)
-  and for a window as long before the pull (``control_...``: the box's noise);
+  request as a local hit (``local_hit_...``: what its suffix's step alone costs the streams),
+  for the transfer alone, arrival to the load's end (``transfer_...``: the suffix's step left
+  out) and for a window as long before the pull (``control_...``: the box's noise);
 - ``ttft_over_bound``: the pulled request's TTFT over (the TTFT of the same request as a local
   hit on B, measured under the same load, + the pulled bytes at the link's rate) (target
   <= 1.2). The link's rate is ``--link-gbps``, or else measured: a pull of another prompt of the
@@ -193,6 +194,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # the streams as much as for a local hit: reported apart).
     during = [e - s for s, e in all_gaps if e > submitted and s < first]
     max_gap = max(during, default=0.0)
+    # The pull alone, from the arrival to the load's end (the worker's perf_counter is this
+    # host's monotonic clock too): a pull on the step thread stalls a step overlapping it,
+    # while the suffix's step after it (the request's own compute) is left out.
+    m = pulled.metrics
+    load_end = first if m.first_scheduled_time is None else m.first_scheduled_time + m.kv_load_s
+    load_end = min(load_end, first)
+    transfer = [e - s for s, e in all_gaps if e > submitted and s < load_end]
     # The same length of time just before the pull: how long the longest gap is without one
     # (on a shared CPU box, noise alone makes it well over the median).
     control_start = max(submitted - (first - submitted), submitted - CONTROL_S)
@@ -208,12 +216,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "plan": args.plan,
         "max_gap_over_median": round(max_gap / median_gap, 2),
         "ttft_over_bound": round(pulled.metrics.ttft_s / bound, 2),
+        "transfer_max_gap_over_median": round(max(transfer, default=0.0) / median_gap, 2),
         "control_max_gap_over_median": round(max(control, default=0.0) / median_gap, 2),
         "local_hit_max_gap_over_median": round(max(hit, default=0.0) / median_gap, 2),
         "median_gap_ms": round(median_gap * 1e3, 1),
         "max_gap_during_pull_ms": round(max_gap * 1e3, 1),
         "gaps_during_pull": len(during),
         "pull_window_ms": round((first - submitted) * 1e3, 1),
+        "transfer_window_ms": round((load_end - submitted) * 1e3, 1),
+        "gaps_during_transfer": len(transfer),
         "pulled_ttft_s": round(pulled.metrics.ttft_s, 4),
         "local_hit_ttft_s": round(local.metrics.ttft_s, 4),
         "pulled_tokens": pulled.metrics.num_pulled_tokens,

@@ -240,6 +240,8 @@ class ClusterBackend:
             "pull_failures": sum(c.get("pull_failures", 0) for c in good),
             "pull_s": sum(c.get("pull_s", 0.0) for c in good),
             "pulls": sum(c.get("pulls", 0) for c in good),
+            "snapshots_sent": sum(c.get("snapshots_sent", 0) for c in good),
+            "index": index,
             **tier_totals(good),
         }
 

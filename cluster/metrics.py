@@ -41,6 +41,26 @@ TIER_STATS = (
     "disk_loaded_blocks",
     "disk_corrupt_blocks",
     "disk_write_errors",
+    "disk_writes_dropped",
+    "disk_evicted_blocks",
+    "promoted_blocks",
+)
+# (metric name, stats key, help) of the tiers' plain counters.
+_TIER_COUNTERS = (
+    ("tier_demoted_blocks", "demoted_blocks", "Blocks copied out before the pool reused them"),
+    ("disk_corrupt_blocks", "disk_corrupt_blocks", "Disk tier blocks found torn or corrupt"),
+    ("disk_write_errors", "disk_write_errors", "Disk tier writes that failed (e.g. disk full)"),
+    (
+        "disk_writes_dropped",
+        "disk_writes_dropped",
+        "Disk tier writes dropped: the write queue was full (a disk slower than evictions)",
+    ),
+    ("disk_evicted_blocks", "disk_evicted_blocks", "Disk tier blocks deleted to keep its size"),
+    (
+        "tier_promoted_blocks",
+        "promoted_blocks",
+        "Tier blocks copied back into the pool for a peer's pin",
+    ),
 )
 _WORKER_GAUGES = {
     "running": "Requests running per worker",
@@ -176,21 +196,8 @@ class _StatsCollector(Collector):
             size.add_metric([m], s[f"{m}_bytes"])
             loaded.add_metric([m], s[f"{m}_loaded_blocks"])
         yield from (held, size, loaded)
-        yield CounterMetricFamily(
-            f"{ns}_tier_demoted_blocks",
-            "Blocks copied out before the pool reused them",
-            value=s["demoted_blocks"],
-        )
-        yield CounterMetricFamily(
-            f"{ns}_disk_corrupt_blocks",
-            "Disk tier blocks found torn or corrupt (computed)",
-            value=s["disk_corrupt_blocks"],
-        )
-        yield CounterMetricFamily(
-            f"{ns}_disk_write_errors",
-            "Disk tier writes that failed (e.g. a full disk)",
-            value=s["disk_write_errors"],
-        )
+        for name, key, what in _TIER_COUNTERS:
+            yield CounterMetricFamily(f"{ns}_{name}", what, value=s[key])
 
 
 def tier_totals(connector_stats: list[Mapping[str, Any]]) -> dict[str, float]:

@@ -10,10 +10,11 @@ The kv_aware cost model (docs/router.md) for a prompt of ``n`` full blocks on wo
     compute_w = n - local_w - tier_w - pull_w blocks, plus the partial last block
     ttft_w    = max(wait_w, backlog_w * t_token) + compute_w * block_size * t_token
                 + pull_w * t_pull_block + host_w * t_host_block + disk_w * t_disk_block
-                + promoted_w * t_host_block + queue_w * t_queue
+                + promoted_w * t_tier_block + queue_w * t_queue
 
-``promoted_w`` are the pulled blocks the holder keeps in its host tier, not its pool: it
-copies them into its pool under the pin before the read, the same copy as a host-tier load.
+``promoted_w`` are the pulled blocks the holder keeps in its tiers, not its pool: it copies
+them into its pool under the pin before the read, the same copy as a load from its host tier
+(``t_host_block``) or its disk (``t_disk_block``), charged as such.
     cost_w    = ttft_w + (duplicate_w + moved_w) * block_size * t_token
 
 ``wait_w`` is how long until the peer's in-flight prefix is computed and published;
@@ -71,7 +72,7 @@ class WorkerView:
     @property
     def pull_depth(self) -> int:
         """Leading blocks a peer can pull from it (:func:`pullable_depth`)."""
-        return pullable_depth(self.depth, {"host": self.host_depth})
+        return pullable_depth(self.depth, {"host": self.host_depth, "disk": self.disk_depth})
 
 
 @dataclass
@@ -291,13 +292,15 @@ class Router:
 
     def _promote_s(self, others: Mapping[str, WorkerView], local: int, reach: int, n: int) -> float:
         """What the deepest peer (the plan's holder) spends promoting the pulled blocks it
-        keeps in its host tier, not its pool, before the read: the same copy as a load from
-        a host tier, at that learned cost."""
+        keeps in its tiers, not its pool, before the read: the same copy as a load from
+        those tiers, at their learned costs."""
         if reach <= local or not others:
             return 0.0
-        name = max(others, key=lambda w: (min(others[w].pull_depth, n), w))
-        in_pool = max(min(others[name].depth, n), local)
-        return max(reach - in_pool, 0) * self.cost.t_host_block_s
+        p = others[max(others, key=lambda w: (min(others[w].pull_depth, n), w))]
+        in_pool = max(min(p.depth, n), local)
+        in_host = min(max(min(p.host_depth, n), in_pool), reach)
+        disk = max(reach - in_host, 0)
+        return (in_host - in_pool) * self.cost.t_host_block_s + disk * self.cost.t_disk_block_s
 
     def _option(
         self,

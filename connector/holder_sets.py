@@ -228,11 +228,11 @@ def cumulative_depths(
 
 
 def pullable_depth(device_depth: int, tier_depths: Mapping[str, int]) -> int:
-    """Leading blocks a peer can pull from one worker: those in its device pool or its host
-    tier (``tier_depths``: :func:`cumulative_depths`' entry for it). A holder promotes host
-    blocks into its pool when a peer pins them (the memory copy is small beside the read);
-    disk blocks it does not, so a peer computes those."""
-    return max(device_depth, tier_depths.get("host", 0))
+    """Leading blocks a peer can pull from one worker: those in its device pool or any of its
+    tiers (``tier_depths``: :func:`cumulative_depths`' entry for it, whose last medium counts
+    them all). A holder promotes tier blocks into its pool when a peer pins them, reading
+    disk copies off its step thread first; routers charge that copy (``router.py``)."""
+    return max([device_depth, *tier_depths.values()])
 
 
 def pullable_depths(

@@ -86,33 +86,40 @@ def test_the_index_knows_disk_blocks_and_a_replacement_announces_them(tmp_path: 
         stop_workers([w for w in (a, plain, replacement) if w is not None])
 
 
-def test_a_peer_pulls_what_a_holder_keeps_in_host_memory() -> None:
-    """a's pool evicted the prompt into its host tier: b still pulls it from a (a promotes
-    the blocks into its pool for the pin), with b's outputs those of a worker that computed
-    it, and the index lists the promoted blocks in a's pool again."""
-    (a,) = start_workers(1, num_kv_blocks=24, host_cache_memory="4MiB")
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_a_peer_pulls_what_a_holder_keeps_in_its_tiers(medium: str, tmp_path: Path) -> None:
+    """a's pool evicted the prompt into its host tier, or (without one) onto its disk: b
+    still pulls it from a (a promotes the blocks into its pool for the pin, reading disk
+    copies off its step thread first), with b's outputs those of a worker that computed it,
+    and the index lists the promoted blocks in a's pool again."""
+    tier = (
+        {"host_cache_memory": "4MiB"}
+        if medium == "host"
+        else {"disk_cache_dir": str(tmp_path), "disk_cache_size": "4MiB"}
+    )
+    (a,) = start_workers(1, num_kv_blocks=24, **tier)
     (b,) = start_workers(1, num_kv_blocks=64)
     (plain,) = start_workers(1, num_kv_blocks=64, connector=False)
     try:
-        info, index, ids, hashes, want = evict(a, plain, 11)  # into a's host tier
+        info, index, ids, hashes, want = evict(a, plain, 11)
+        n = len(hashes)
+        where = {"device": 0, "host": n, "disk": n} if medium == "host" else {"disk": n}
 
-        def in_host() -> bool:
+        def in_tier() -> bool:
             flush([a])
             t = tiers_of(index, hashes, info["worker_id"])
-            return t.get("device") == 0 and t.get("host") == len(hashes)
+            return all(t.get(m, 0) == d for m, d in {"device": 0, "host": 0, **where}.items())
 
-        assert wait_until(in_host), tiers_of(index, hashes, info["worker_id"])
+        assert wait_until(in_tier), tiers_of(index, hashes, info["worker_id"])
         out = ray.get(b.generate.remote(ids, GREEDY))
         assert out.token_ids == want
-        assert out.metrics.num_pulled_tokens == len(hashes) * BS
+        assert out.metrics.num_pulled_tokens == n * BS
         stats = ray.get(a.connector_stats.remote())
-        assert stats["promoted_blocks"] == len(hashes) and stats["promote_s"] > 0
+        assert stats["promoted_blocks"] == n and stats["promote_s"] > 0
 
         def in_pool() -> bool:
             flush([a])
-            return ray.get(index.lookup.remote(hashes), timeout=10).get(info["worker_id"]) == len(
-                hashes
-            )
+            return ray.get(index.lookup.remote(hashes), timeout=10).get(info["worker_id"]) == n
 
         assert wait_until(in_pool)
     finally:

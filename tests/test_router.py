@@ -244,9 +244,9 @@ def test_cost_model_learns_tier_costs() -> None:
     assert m.t_host_block_s == pytest.approx(1e-4) and m.samples["host"] == 1
 
 
-def test_a_pull_from_a_peers_host_tier_is_charged_its_promotion() -> None:
-    """The holder copies host-tier blocks into its pool under the pin before the read: each
-    such block costs a host-tier copy on top of the pull, so a slow promotion makes the worker
+def test_a_pull_from_a_peers_tiers_is_charged_its_promotion() -> None:
+    """The holder copies tier blocks into its pool under the pin before the read: each such
+    block costs its tier's copy on top of the pull, so a slow promotion makes the worker
     compute instead (before: priced as a pool pull, it pulled)."""
     tokens = 64 * BS + 5
     r = Router("kv_aware", BS)
@@ -261,6 +261,13 @@ def test_a_pull_from_a_peers_host_tier_is_charged_its_promotion() -> None:
     # A peer with everything in its pool pulls at the plain pull cost.
     views["c"] = WorkerView(depth=64, host_depth=64, queue=40)
     assert r.choose(["a"], views, tokens).pull_blocks == 64
+    # Pool, then host, then disk: each promoted block at its tier's cost.
+    r.cost.t_host_block_s, r.cost.t_disk_block_s = 1e-4, 1e-3
+    views["c"] = WorkerView(depth=24, host_depth=40, disk_depth=64, queue=40)
+    c = r.choose(["a"], views, tokens)
+    assert (c.pull_blocks, c.compute_tokens) == (64, 5)
+    expect = 64 * 1e-4 + 16 * 1e-4 + 24 * 1e-3 + 5 * 1e-4
+    assert c.estimated_ttft_s == pytest.approx(expect)
 
 
 def test_a_holders_promotions_teach_its_host_block_cost() -> None:
@@ -271,22 +278,31 @@ def test_a_holders_promotions_teach_its_host_block_cost() -> None:
     assert cost.samples["host"] == 1
 
 
-def test_the_plans_holder_is_the_deepest_pool_or_host_tier_of_any_worker() -> None:
+def test_the_plans_holder_is_the_deepest_pool_or_tier_of_any_worker() -> None:
     """Every worker the index knows counts, not only this deployment's replicas (the decode
-    router pulls from a prefill worker); a disk tier is not pulled from."""
+    router pulls from a prefill worker); a holder's host and disk tiers count too."""
     info = {
         "held": {"prefill-1": 5, "decode-2": 3},
-        "tiers": {"decode-3": {"device": 0, "host": 8, "disk": 8}, "decode-4": {"disk": 20}},
+        "tiers": {
+            "decode-3": {"device": 0, "host": 8, "disk": 8},
+            "decode-4": {"device": 0, "host": 0, "disk": 20},
+        },
     }
-    assert _holder(info, "decode-2") == "decode-3"
+    assert _holder(info, "decode-2") == "decode-4"
+    assert _holder(info, "decode-4") == "decode-3"
+    del info["tiers"]["decode-4"]
     assert _holder(info, "decode-3") == "prefill-1"
     assert _holder({"held": {"prefill-1": 5}}, "decode-2") == "prefill-1"
     assert _holder({"held": {"decode-2": 5}}, "decode-2") is None
     assert _holder({}, "decode-2") is None
 
 
+def tier_view(t: dict[str, int]) -> dict[str, int]:
+    return {"host_depth": t["host"], "disk_depth": t["disk"]}
+
+
 def test_the_index_the_plan_and_the_view_agree_on_what_a_peer_can_pull() -> None:
-    """One rule (pool or host tier, never disk) for the index's pull depths, the plan's holder
+    """One rule (a holder's pool and its tiers) for the index's pull depths, the plan's holder
     and the router's view of a worker."""
     index = KvIndex("fp")
     hashes = [bytes([i]) * 16 for i in range(6)]
@@ -298,9 +314,9 @@ def test_the_index_the_plan_and_the_view_agree_on_what_a_peer_can_pull() -> None
         token = index.register(w, "fp")
         assert index.apply(encode_batch(EventBatch(w, 0, evs)), token).status == "applied"
     held, tiers = index.lookup(hashes), index.tier_depths(hashes)
-    assert pullable_depths(held, tiers) == index.pull_depths(hashes) == {"a": 4, "b": 1}
-    assert index.pull_depths(hashes, exclude="a") == pullable_depths(held, tiers, "a") == {"b": 1}
-    assert _holder({"held": held, "tiers": tiers}, "b") == "a"
+    assert pullable_depths(held, tiers) == index.pull_depths(hashes) == {"a": 4, "b": 6}
+    assert index.pull_depths(hashes, exclude="b") == pullable_depths(held, tiers, "b") == {"a": 4}
     assert _holder({"held": held, "tiers": tiers}, "a") == "b"
-    view = WorkerView(depth=held["a"], host_depth=tiers["a"]["host"], disk_depth=4)
-    assert view.pull_depth == 4
+    assert _holder({"held": held, "tiers": tiers}, "b") == "a"
+    views = {w: WorkerView(held.get(w, 0), **tier_view(tiers[w])) for w in "ab"}
+    assert {w: v.pull_depth for w, v in views.items()} == {"a": 4, "b": 6}

@@ -41,6 +41,19 @@ class Announced(NoopKvCacheConnector):
         self.held[medium] -= set(hashes)
 
 
+class Ordered(NoopKvCacheConnector):
+    """Records the order in which the pool's losses and the tiers' gains are heard."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, BlockHash]] = []
+
+    def on_evict(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        self.heard += [("evicted", h) for h in hashes]
+
+    def on_tier_store(self, medium: str, hashes: Sequence[BlockHash]) -> None:
+        self.heard += [(medium, h) for h in hashes]
+
+
 def churn(llm: LLM, reference: list[list[int]]) -> None:
     """Each prompt alone, so each evicts the ones before (down into the tiers)."""
     for p, want in zip(PROMPTS, reference, strict=True):
@@ -66,6 +79,31 @@ def test_outputs_equal_after_blocks_went_to_disk_and_came_back(
     llm.close()
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_tier_copy_is_announced_before_the_pools_loss(
+    tier: str, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """Whoever mirrors the worker (the index) never sees an evicted block held nowhere: the
+    tier's store comes first (before: the pool's loss first, and a router in between saw
+    neither)."""
+    kw = (
+        {"host_cache_memory": "4MiB"}
+        if tier == "host"
+        else {"disk_cache_dir": str(tmp_path), "disk_cache_size": "16MiB"}
+    )
+    heard = Ordered()
+    llm = LLM("tiny-random", num_kv_blocks=24, progress=False, connector=heard, **kw)
+    churn(llm, reference)
+    evicted = {h for what, h in heard.heard if what == "evicted"}
+    assert evicted
+    first: dict[BlockHash, str] = {}
+    for what, h in heard.heard:
+        first.setdefault(h, what)
+    # Blocks being written count as host blocks: a disk-only tier announces them so too.
+    assert {first[h] for h in evicted} == {"host"}
+    llm.close()
+
+
 def test_a_restarted_worker_announces_its_disk_blocks_and_serves_them(
     tmp_path: Path, reference: list[list[int]]
 ) -> None:
@@ -85,12 +123,13 @@ def test_a_restarted_worker_announces_its_disk_blocks_and_serves_them(
     second.close()
 
 
-def test_a_pin_promotes_host_blocks_into_the_pool_and_never_disk_ones(
+def test_a_pin_promotes_tier_blocks_into_the_pool_disk_ones_once_staged(
     tmp_path: Path, reference: list[list[int]]
 ) -> None:
     """A peer pins a prompt the pool evicted: from host memory it comes back into fresh pool
     blocks (their bytes the tier's, registered, held by the lease); a prompt only on disk is
-    refused with nothing taken (the peer computes it)."""
+    refused with nothing taken until its files are staged (read off the step thread), then
+    promoted the same way, all or nothing."""
     kw = {"host_cache_memory": 12 * 8192, "disk_cache_dir": str(tmp_path)}
     llm = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
     churn(llm, reference)
@@ -109,7 +148,7 @@ def test_a_pin_promotes_host_blocks_into_the_pool_and_never_disk_ones(
     in_host = next(p for p in PROMPTS if "host" in media(p) and media(p) <= {"pool", "host"})
     on_disk = next(p for p in PROMPTS if media(p) == {"disk"})
     free = kv.num_free_blocks
-    assert kv.pin("on-disk", chain(on_disk)) is None
+    assert kv.pin("on-disk", chain(on_disk)) is None  # disk blocks need their bytes staged
     assert kv.num_free_blocks == free and not kv.pins
     kv.check_integrity()
 
@@ -127,6 +166,48 @@ def test_a_pin_promotes_host_blocks_into_the_pool_and_never_disk_ones(
     out = llm.generate([in_host], GREEDY)[0]  # a local hit on the promoted blocks now
     assert out.token_ids == reference[PROMPTS.index(in_host)]
     assert out.metrics.num_local_hit_tokens == 144
+
+    # Staged (read off the step thread, checked), the disk copies are promoted too.
+    assert media(on_disk) == {"disk"}
+    assert kv.to_stage(chain(on_disk), {}) == chain(on_disk)
+    staged = kv.connector.stage(chain(on_disk))
+    assert kv.to_stage(chain(on_disk), staged) == []
+    torn = dict(staged)
+    del torn[chain(on_disk)[4]]  # a file that failed its check while staged: all or nothing
+    assert kv.pin("on-disk", chain(on_disk), torn) is None and not kv.pins
+    ids = kv.pin("on-disk", chain(on_disk), staged)
+    assert ids is not None and len(ids) == 9
+    for x, block_id in zip(chain(on_disk), ids, strict=True):
+        assert llm.engine.kv_cache.read_block(block_id) == staged[x] == tiers.read(x)
+    kv.check_integrity()
+    kv.unpin("on-disk")
+    stats = llm.engine.kv.connector.get_stats()
+    assert stats["promoted_blocks"] == len(promoted) + 9 and stats["promote_s"] > 0
+    llm.close()
+
+
+def test_a_pin_fills_a_hole_in_the_pool_from_the_tiers(reference: list[list[int]]) -> None:
+    """A chain whose middle block left the pool (into host memory) while the rest stayed: the
+    pin promotes just that block and holds the chain in order (before: refused, and the peer
+    computed everything past the hole)."""
+    llm = LLM("tiny-random", num_kv_blocks=24, progress=False, host_cache_memory=12 * 8192)
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == reference[0]
+    kv, tiers = llm.engine.kv, llm.engine.kv.connector.tiers
+    chain = block_hashes(PROMPTS[0], 16, llm.engine.fingerprint.namespace)[:9]
+    middle = kv.pool.get_cached_block(chain[4])
+    kv.pool.touch([middle])
+    kv.pool.free_blocks([middle], front=True)  # the next allocation evicts it, and only it
+    kv.pool.free_blocks(kv.pool.get_new_blocks(1))
+    assert kv.pool.get_cached_block(chain[4]) is None and tiers.medium(chain[4]) == "host"
+    assert all(kv.pool.get_cached_block(h) for h in chain[:4] + chain[5:])
+    assert kv.pin("twice", [chain[4], chain[4]]) is None and not kv.pins  # not a chain
+    ids = kv.pin("lease", chain)
+    assert ids is not None and len(ids) == 9
+    assert [kv.pool.get_cached_block(h).block_id for h in chain] == ids
+    assert llm.engine.kv.connector.get_stats()["promoted_blocks"] == 1
+    kv.check_integrity()
+    kv.unpin("lease")
+    kv.check_integrity()
     llm.close()
 
 
@@ -193,5 +274,7 @@ def test_the_api_reports_tier_hits_and_metrics(tmp_path: Path) -> None:
                 if line.startswith('kvmesh_tier_loaded_blocks_total{medium="disk"}')
             ]
             assert loaded and float(loaded[0].split()[-1]) >= 8, loaded
+            for counter in ("disk_writes_dropped", "disk_evicted_blocks", "tier_promoted_blocks"):
+                assert f"kvmesh_{counter}_total 0.0" in body, counter  # none here, but shown
     finally:
         backend.shutdown()

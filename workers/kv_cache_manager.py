@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvmesh.workers.block_hash import BlockHash
@@ -296,34 +297,51 @@ class KVCacheManager:
 
     # -- pins for peers -----------------------------------------------------------------------
 
-    def pin(self, lease_id: str, hashes: list[BlockHash]) -> list[int] | None:
+    def pin(
+        self,
+        lease_id: str,
+        hashes: list[BlockHash],
+        staged: Mapping[BlockHash, bytes] | None = None,
+    ) -> list[int] | None:
         """Hold the cached blocks of ``hashes`` under ``lease_id`` (a peer reads them); their
         ids, or None (nothing held) when any hash is not cached here.
 
-        A tail the pool lacks but the connector's host tier holds is promoted into fresh
-        blocks first (``KvCacheConnector.promote``) and registered, so a peer can pull what
-        this worker keeps in host memory.
+        Blocks the pool lacks but the connector's tiers hold (a tail, or a hole: the pool
+        evicts a chain's tail first, and a conversation's later turns come back) are promoted
+        into fresh blocks first (``KvCacheConnector.promote``) and registered, so a peer can
+        pull what this worker keeps in host memory or on disk; blocks kept only on disk come
+        from ``staged`` (see :meth:`to_stage`).
         """
-        if lease_id in self.pins:
+        if lease_id in self.pins or len(set(hashes)) != len(hashes):  # a chain never repeats
             return None
         blocks = [self.pool.get_cached_block(h) for h in hashes]
-        n = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
-        if any(b is not None for b in blocks[n:]):  # a hole in the chain: not worth promoting
-            return None
-        held = [b for b in blocks[:n] if b is not None]
-        self.pool.touch(held)  # before promoting: its allocations must not evict them
-        if n < len(hashes):
-            promoted = self._promote(hashes[n:])
+        cached = [b for b in blocks if b is not None]
+        self.pool.touch(cached)  # before promoting: its allocations must not evict them
+        missing = [h for h, b in zip(hashes, blocks, strict=True) if b is None]
+        if missing:
+            promoted = self._promote(missing, staged)
             if promoted is None:
-                self.pool.free_blocks(held[::-1])
+                self.pool.free_blocks(cached[::-1])
                 return None
-            held += promoted
+            fresh = iter(promoted)
+            blocks = [b if b is not None else next(fresh) for b in blocks]
+        held = [b for b in blocks if b is not None]
         self.pins[lease_id] = held
         return [b.block_id for b in held]
 
-    def _promote(self, hashes: list[BlockHash]) -> list[KVBlock] | None:
-        """The connector's memory-tier copies of all of ``hashes``, in fresh registered blocks
-        (one reference each, the pin's); None, and nothing kept, when it lacks any of them."""
+    def to_stage(
+        self, hashes: list[BlockHash], staged: Mapping[BlockHash, bytes]
+    ) -> list[BlockHash]:
+        """The blocks a :meth:`pin` of ``hashes`` would promote from disk and ``staged`` lacks:
+        the caller reads them (``KvCacheConnector.stage``) off this thread and pins again."""
+        missing = [h for h in hashes if self.pool.get_cached_block(h) is None]
+        return [h for h in self.connector.disk_only(missing) if h not in staged]
+
+    def _promote(
+        self, hashes: list[BlockHash], staged: Mapping[BlockHash, bytes] | None
+    ) -> list[KVBlock] | None:
+        """The connector's tier copies of all of ``hashes``, in fresh registered blocks (one
+        reference each, the pin's); None, and nothing kept, when it lacks any of them."""
         n = len(hashes)
         new: list[KVBlock] = []
 
@@ -331,7 +349,8 @@ class KVCacheManager:
             new.extend(self.pool.get_new_blocks(k))  # k <= n <= free (checked below)
             return [b.block_id for b in new]
 
-        ids = self.connector.promote(hashes, allocate) if n <= self.pool.num_free_blocks else []
+        fits = n <= self.pool.num_free_blocks
+        ids = self.connector.promote(hashes, allocate, staged) if fits else []
         if len(ids) < n:
             self.pool.free_blocks(new[::-1])
             return None

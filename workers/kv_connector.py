@@ -29,6 +29,10 @@ that talks to peers does that on threads of its own.
    (the local tiers copy them out then, ``tiered_connector.py``).
 5. ``on_tier_store`` / ``on_tier_remove``: blocks entered or left a local tier ("host",
    "disk"), from any thread; a connector that tells an index passes them on.
+6. A peer's pin of blocks the pool lacks but local tiers hold: ``promote`` copies them into
+   fresh blocks. Blocks kept only on disk (``disk_only``) are read first, off the step
+   thread, by ``stage`` (the worker pins in two calls then), so the step thread copies
+   memory only.
 
 A request whose load is in flight can be aborted: its blocks stay allocated until the load's
 result comes, so no transfer ever writes into a block that was handed to someone else.
@@ -43,7 +47,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.workers.block_hash import BlockHash
@@ -137,15 +141,30 @@ class KvCacheConnector(ABC):
         return []
 
     def promote(
-        self, hashes: Sequence[BlockHash], allocate: Callable[[int], list[int]]
+        self,
+        hashes: Sequence[BlockHash],
+        allocate: Callable[[int], list[int]],
+        staged: Mapping[BlockHash, bytes] | None = None,
     ) -> list[int]:
-        """Bring the leading blocks of ``hashes`` that a local tier holds in memory back into
-        the pool now, for a peer about to pin them: read their bytes, then ``allocate(n)``
-        fresh block ids (which may evict, and so demote, other blocks) and copy them in;
-        returns those ids, in order (the caller registers them). Memory copies only: never a
-        disk, a peer or the network (the step thread calls it). Default: nothing to promote.
+        """Bring all of ``hashes``, which local tiers hold, back into the pool now, for a peer
+        about to pin them, or none: read their bytes (host memory, or ``staged`` for blocks
+        kept only on disk), then ``allocate(n)`` fresh block ids (which may evict, and so
+        demote, other blocks) and copy them in; returns those ids, in order (the caller
+        registers them), or [] when any is missing. Memory copies only: never a disk, a peer
+        or the network (the step thread calls it). Default: nothing to promote.
         """
         return []
+
+    def disk_only(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Those of ``hashes`` that a local tier keeps only on disk: ``promote`` takes them
+        from ``staged`` bytes, which ``stage`` reads. Step thread. Default: none."""
+        return []
+
+    def stage(self, hashes: Sequence[BlockHash]) -> dict[BlockHash, bytes]:
+        """Read the disk copies of ``hashes`` (checked; a torn or missing one left out), for a
+        ``promote`` that follows. Any thread but the step thread: it reads files. Default:
+        nothing."""
+        return {}
 
     def attach(self, wake: Callable[[], None]) -> None:
         """Called once by the worker that owns this connector: call ``wake`` (from any

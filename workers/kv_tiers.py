@@ -142,13 +142,22 @@ class KvTiers:
                     return i
         return len(hashes)
 
+    def read_memory(self, block_hash: BlockHash) -> bytes | None:
+        """The block's bytes if host memory holds them (its tier, or a disk write pending)."""
+        with self._lock:
+            return self._in_memory(block_hash)
+
+    def _in_memory(self, block_hash: BlockHash) -> bytes | None:
+        payload = self.host.get(block_hash) or self.writing.get(block_hash)
+        if payload is not None and block_hash in self.host:
+            self.host.move_to_end(block_hash)
+        return payload
+
     def read(self, block_hash: BlockHash) -> bytes | None:
         """The block's bytes from memory or disk (a torn file is deleted: None)."""
         with self._lock:
-            payload = self.host.get(block_hash) or self.writing.get(block_hash)
+            payload = self._in_memory(block_hash)
             if payload is not None:
-                if block_hash in self.host:
-                    self.host.move_to_end(block_hash)
                 return payload
             if self.disk is None or block_hash not in self.disk.files:
                 return None

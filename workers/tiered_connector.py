@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvmesh.workers.block_hash import BlockHash
@@ -123,15 +123,21 @@ class TieredKvConnector(KvCacheConnector):
         return LoadResult(load_id, n, medium="disk" if "disk" in media[:n] else "host")
 
     def promote(
-        self, hashes: Sequence[BlockHash], allocate: Callable[[int], list[int]]
+        self,
+        hashes: Sequence[BlockHash],
+        allocate: Callable[[int], list[int]],
+        staged: Mapping[BlockHash, bytes] | None = None,
     ) -> list[int]:
-        """All of ``hashes`` from host memory into fresh blocks, or none (see the seam). The
-        bytes are read first: allocating may demote other blocks and push these out."""
-        if any(self.tiers.medium(h) != "host" for h in hashes):
-            return []
+        """All of ``hashes`` from host memory or ``staged`` disk copies into fresh blocks, or
+        none (see the seam). The bytes are read first: allocating may demote other blocks
+        and push these out."""
         started = time.perf_counter()
-        payloads = [self.tiers.read(h) for h in hashes]
-        if any(p is None for p in payloads):  # left memory since we looked
+        staged = staged or {}
+        payloads = [
+            staged.get(h) if self.tiers.medium(h) == "disk" else self.tiers.read_memory(h)
+            for h in hashes
+        ]
+        if any(p is None for p in payloads):  # not staged, or left the tiers since
             return []
         block_ids = allocate(len(payloads))
         for block_id, payload in zip(block_ids, payloads, strict=True):
@@ -140,6 +146,14 @@ class TieredKvConnector(KvCacheConnector):
         self.stats["promoted_blocks"] += len(block_ids)
         self.stats["promote_s"] += time.perf_counter() - started
         return block_ids
+
+    def disk_only(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        return [h for h in hashes if self.tiers.medium(h) == "disk"]
+
+    def stage(self, hashes: Sequence[BlockHash]) -> dict[BlockHash, bytes]:
+        """The disk copies of ``hashes``, read by the tier's reader threads (checked)."""
+        reads = self._readers.map(self.tiers.read, hashes)
+        return {h: p for h, p in zip(hashes, reads, strict=True) if p is not None}
 
     def _load_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -167,8 +181,11 @@ class TieredKvConnector(KvCacheConnector):
         self.inner.on_store(hashes, block_ids)
 
     def on_evict(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
-        self.inner.on_evict(hashes, block_ids)
+        # The tier copy is announced before the pool's loss: the index may list a block in
+        # both for a moment, never in neither (a router then sends a conversation away from
+        # its history and the peer computes it; seen in bench/cluster.py).
         self.tiers.demote(hashes, block_ids, self.reader)
+        self.inner.on_evict(hashes, block_ids)
 
     def on_clear(self) -> None:
         self.inner.on_clear()

@@ -218,19 +218,35 @@ class Worker:
         peer computes instead) when ``lease_s`` is not a finite number in (0, MAX_LEASE_S],
         ``hashes`` is empty, MAX_LEASES leases are live, or the pins would hold more than
         ``max_pinned_blocks`` blocks. The lease id is a secret: only its holder can read
-        the blocks (``export_blocks``) or release them.
+        the blocks (``export_blocks``) or release them. Blocks the pool lacks but the tiers
+        hold are promoted into the pool first; those kept only on disk are read here, on
+        the caller's thread, between two calls into the step thread.
         """
         hashes = list(hashes)
-        return self.call(lambda: self._pin(hashes, lease_s), peer=True)
+        result = self.call(lambda: self._pin(hashes, lease_s, {}), peer=True)
+        if isinstance(result, _ToStage):  # part of it is on disk: read here, off the step thread
+            staged = self.kv.connector.stage(result.hashes)
+            result = self.call(lambda: self._pin(hashes, lease_s, staged), peer=True)
+        return None if isinstance(result, _ToStage) else result
 
     def release(self, lease_id: str) -> None:
         self.call(lambda: self._release(lease_id), peer=True)
 
-    def _pin(self, hashes: list[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
-        if not _valid_lease_s(lease_s) or not hashes or len(self._leases) >= MAX_LEASES:
+    def _pin(
+        self, hashes: list[BlockHash], lease_s: float, staged: dict[BlockHash, bytes]
+    ) -> tuple[str, list[int]] | _ToStage | None:
+        if (
+            not _valid_lease_s(lease_s)
+            or not hashes
+            or len(hashes) > self.max_pinned_blocks
+            or len(self._leases) >= MAX_LEASES
+        ):
             return self._refuse_pin(f"{len(hashes)} blocks for {lease_s!r} s")
+        need = self.kv.to_stage(hashes, staged)
+        if need:
+            return _ToStage(tuple(need))
         lease_id = secrets.token_hex(16)
-        block_ids = self.kv.pin(lease_id, hashes)
+        block_ids = self.kv.pin(lease_id, hashes, staged)
         if block_ids is None:  # not all of them cached here (any more)
             return None
         ids = frozenset(block_ids)
@@ -307,6 +323,13 @@ class Worker:
         self._wake.set()
         self._thread.join(timeout=5)
         self.kv.connector.close()
+
+
+@dataclass(frozen=True)
+class _ToStage:
+    """A pin's answer from the step thread: read these blocks' disk copies, then pin again."""
+
+    hashes: tuple[BlockHash, ...]
 
 
 def _valid_lease_s(lease_s: object) -> bool:
