@@ -34,7 +34,7 @@ demo: $(STAMP)
 
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .

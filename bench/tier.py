@@ -9,7 +9,10 @@ POSIX_FADV_DONTNEED on those files only), so the bytes come from the disk; the s
 dropped again, are then read plainly in this process for the disk's sequential read rate.
 D, with a host-memory tier and a pool of two such prompts (a peer may pin at most half of
 it), computes a third prompt and evicts it into host memory with the other two; B then pulls
-that prefix from D (host pull TTFT: D promotes the blocks into its pool for B's pin).
+that prefix from D (host pull TTFT: D promotes the blocks into its pool for B's pin). E is D
+with a disk tier instead of host memory: B pulls a fourth prefix that E keeps only on disk, its
+block files' page cache dropped first (disk pull TTFT: E reads and checks the files off its step
+thread, then promotes them for B's pin).
 
     .venv/bin/python bench/tier.py --model smollm2-135m --prefix-tokens 2048
 """
@@ -52,6 +55,17 @@ def read_gbps(paths: list[Path]) -> tuple[float, int]:
     return nbytes / (time.perf_counter() - start) / 1e9, nbytes
 
 
+def block_files(disk_dir: Path, at_least: int) -> list[Path]:
+    """The disk tier's block files under ``disk_dir`` once there are ``at_least`` of them (its
+    writer is asynchronous), or after 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        files = sorted(disk_dir.glob("*/slot-*/*/*.kvb"))
+        if len(files) >= at_least or time.monotonic() > deadline:
+            return files
+        time.sleep(0.2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -60,7 +74,7 @@ def main() -> None:
     ap.add_argument("--disk-dir", help="where the disk tier goes (default: a temporary dir)")
     args = ap.parse_args()
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
     disk_dir = tempfile.mkdtemp(prefix="kvmesh-tier-", dir=args.disk_dir)
     cfg = EngineConfig(model=args.model, kv_cache_memory="512MiB", progress=False)
     blocks = -(-(args.prefix_tokens + args.suffix_tokens + 16) // cfg.block_size)
@@ -81,24 +95,29 @@ def main() -> None:
         model=args.model, num_kv_blocks=2 * blocks, host_cache_memory="512MiB", progress=False
     )
     d = cls.remote("tier-bench-d", host_cfg, conn, num_threads=2)
-    info = ray.get([w.ready.remote() for w in (a, b, c, d)])[0]
+    disk_peer_cfg = EngineConfig(
+        model=args.model,
+        num_kv_blocks=2 * blocks,
+        disk_cache_dir=os.path.join(disk_dir, "e"),
+        disk_cache_size="2GiB",
+        progress=False,
+    )
+    e = cls.remote("tier-bench-e", disk_peer_cfg, conn, num_threads=2)
+    info = ray.get([w.ready.remote() for w in (a, b, c, d, e)])[0]
     rng = random.Random(0)
 
     def prompt() -> list[int]:
         return [rng.randrange(1000, 40000) for _ in range(args.prefix_tokens + args.suffix_tokens)]
 
-    main_prompt, evictor, host_prompt = prompt(), prompt(), prompt()
+    main_prompt, evictor, host_prompt, disk_prompt = prompt(), prompt(), prompt(), prompt()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     warm = SamplingParams(max_tokens=1)
-    ray.get([w.generate.remote([5, 6, 7], warm) for w in (a, b, c, d)])
-    handshake = [rng.randrange(1000, 40000) for _ in range(4 * info["block_size"] + 1)]
-    ray.get(a.generate.remote(handshake, warm))
-    ray.get(a.flush_events.remote())
-    ray.get(b.generate.remote(handshake, warm))  # the NIXL handshake is not part of a TTFT
-    handshake = [rng.randrange(1000, 40000) for _ in range(4 * info["block_size"] + 1)]
-    ray.get(d.generate.remote(handshake, warm))
-    ray.get(d.flush_events.remote())
-    ray.get(b.generate.remote(handshake, warm))  # and B's with D
+    ray.get([w.generate.remote([5, 6, 7], warm) for w in (a, b, c, d, e)])
+    for holder in (a, d, e):  # B's NIXL handshake with each holder is not part of a TTFT
+        handshake = [rng.randrange(1000, 40000) for _ in range(4 * info["block_size"] + 1)]
+        ray.get(holder.generate.remote(handshake, warm))
+        ray.get(holder.flush_events.remote())
+        ray.get(b.generate.remote(handshake, warm))
 
     computed = ray.get(a.generate.remote(main_prompt, params))
     ray.get(a.flush_events.remote())
@@ -107,11 +126,7 @@ def main() -> None:
     ray.get(c.generate.remote(main_prompt, params))
     ray.get(c.generate.remote(evictor, params))  # main_prompt's blocks go down to disk
     ray.get(c.generate.remote(evictor, params))  # (a hit: no new eviction) the writer's time
-    files = sorted(Path(disk_dir).glob("*/slot-*/*/*.kvb"))
-    deadline = time.monotonic() + 60
-    while len(files) < args.prefix_tokens // cfg.block_size and time.monotonic() < deadline:
-        time.sleep(0.2)
-        files = sorted(Path(disk_dir).glob("*/slot-*/*/*.kvb"))
+    files = block_files(Path(disk_dir), args.prefix_tokens // cfg.block_size)
     drop_page_cache(files)
     from_disk = ray.get(c.generate.remote(main_prompt, params))
     disk_read, disk_bytes = read_gbps(files)
@@ -123,6 +138,15 @@ def main() -> None:
     ray.get(d.flush_events.remote())
     from_host = ray.get(b.generate.remote(host_prompt, params))
     promoted = ray.get(d.connector_stats.remote())["promoted_blocks"]
+
+    disk_computed = ray.get(e.generate.remote(disk_prompt, params))
+    for other in (evictor, main_prompt):  # disk_prompt's blocks go to E's disk
+        ray.get(e.generate.remote(other, params))
+    e_files = block_files(Path(disk_dir, "e"), args.prefix_tokens // cfg.block_size)
+    drop_page_cache(e_files)
+    ray.get(e.flush_events.remote())
+    from_peer_disk = ray.get(b.generate.remote(disk_prompt, params))
+    e_stats = ray.get(e.connector_stats.remote())
 
     m = from_disk.metrics
     block_bytes = stats["disk_bytes"] / max(stats["disk_blocks"], 1)
@@ -148,8 +172,12 @@ def main() -> None:
         "host_pull_ttft_s": round(from_host.metrics.ttft_s, 4),
         "host_pull_tokens": from_host.metrics.num_pulled_tokens,
         "host_promoted_blocks": promoted,
+        "disk_pull_ttft_s": round(from_peer_disk.metrics.ttft_s, 4),
+        "disk_pull_tokens": from_peer_disk.metrics.num_pulled_tokens,
+        "disk_pull_promoted_blocks": e_stats["promoted_blocks"],
         "outputs_equal": computed.token_ids == pulled.token_ids == from_disk.token_ids
-        and host_computed.token_ids == from_host.token_ids,
+        and host_computed.token_ids == from_host.token_ids
+        and disk_computed.token_ids == from_peer_disk.token_ids,
         "pulled_tokens": pulled.metrics.num_pulled_tokens,
     }
     print(json.dumps(result))

@@ -11,9 +11,10 @@ Behind the seam, in the manager's order:
   reports it. A load is counted under the slowest medium it read (``LoadResult.medium``). A
   torn or vanished file ends the load at that block: the leading blocks read are registered,
   the rest computed.
-- ``promote`` (a peer pins blocks this worker keeps in host memory): copied back into fresh
-  pool blocks, so the peer's read finds them in the pool. Disk blocks are not promoted for
-  peers (a disk read would hold the step thread); the peer computes those.
+- ``promote`` (a peer pins blocks this worker keeps in a tier): copied back into fresh pool
+  blocks, so the peer's read finds them in the pool. Blocks only on disk are read first, off
+  the step thread (``disk_only`` names them, ``stage`` reads and checks them on the tier's
+  reader threads), and ``promote`` takes those bytes; a torn file refuses the whole pin.
 - Everything else goes to the inner connector; tier changes reach it as ``on_tier_store`` /
   ``on_tier_remove`` (the cluster connector tells the index).
 """
