@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvmesh import __version__
+from kvmesh.cluster.launch import DeployFailed
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -86,4 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 2
+    except (ConnectionError, DeployFailed) as e:  # a cluster that does not answer; a failed app
+        print(f"kvmesh: error: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -219,9 +219,25 @@ class ServeConfig:
         return dataclasses.replace(self, **changes)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys silently; a settings file that names one
+    twice is a mistake to report, not to guess."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is set twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
     except OSError as e:
         raise ValueError(f"config: cannot read {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
@@ -230,7 +246,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config: {path} must hold a mapping of settings")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in settings:  # e.g. max-workers and max_workers
+            raise ValueError(f"config: {path} sets {name} twice")
+        settings[name] = value
+    return settings
 
 
 _TYPES: dict[str, type] = {

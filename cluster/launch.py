@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -34,7 +35,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "transport": {"choices": ["nixl", "ray"]},
     "host": {},
     "port": {"type": int},
-    "api-key": {"help": "require this bearer key on /v1/*"},
+    "api-key": {"help": "require this bearer key on /v1/* and /metrics"},
     "max-request-bytes": {"type": int, "help": "larger HTTP bodies get a 413"},
     "max-queued-requests": {
         "type": int,
@@ -119,6 +120,8 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     import ray
 
     if address != "local":
+        if address != "auto":
+            _check_answers(address)
         try:
             ray.init(address=address, log_to_driver=False)
             return False
@@ -134,27 +137,88 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     return True
 
 
+def _check_answers(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast when nothing listens at a ``host:port`` address: Ray itself retries a GCS
+    that does not answer for minutes, logging, and never gives up (``ray://`` addresses and
+    anything not ``host:port`` are left to Ray)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError, OverflowError):
+        raise ConnectionError(f"address: no Ray cluster answers at {address}") from None
+
+
+class _Stop(Exception):
+    """Raised by the signal handler into a deployment still coming up."""
+
+
+class DeployFailed(RuntimeError):
+    """The app did not come up; the message is the cause a replica gave, without traceback."""
+
+
+def _deploy_failure(app_name: str) -> str:
+    """What Serve recorded about a failed deployment of ``app_name``: the last line of the
+    first failed deployment's message (the exception a replica raised), else Serve's own."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(app_name)
+    except Exception:  # the controller may be gone too: say what is known
+        return "the deployment failed (see the Serve logs)"
+    if app is None:
+        return "the deployment failed (see the Serve logs)"
+    for name, deployment in app.deployments.items():
+        lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
+        if lines and str(deployment.status).endswith("DEPLOY_FAILED"):
+            return f"{name} failed to start: {lines[-1].removeprefix('ray.exceptions.')}"
+    return (app.message or "the deployment failed").splitlines()[0]
+
+
 def serve_forever(config: ServeConfig, address: str = "auto") -> None:
+    """Deploy and serve until Ctrl-C or SIGTERM. Either signal also stops a deployment that
+    is still coming up (e.g. waiting for resources that never appear); a deployment that
+    fails raises ``DeployFailed`` naming the replica's error."""
     started_ray = connect_ray(config, address)  # first: it sets Ray's auth mode before import
     import ray
     from ray import serve
 
-    from kvmesh.cluster.serve_app import deploy
+    from kvmesh.cluster.serve_app import APP_NAME, deploy
 
     stop = threading.Event()
+    deploying = True
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if deploying:  # serve.run waits for the replicas: interrupt the wait
+            raise _Stop
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
-        deploy(config)
+        try:
+            deploy(config)
+        except RuntimeError as e:
+            if "Deploying application" not in str(e):
+                raise
+            raise DeployFailed(_deploy_failure(APP_NAME)) from None
+        deploying = False
         print(
             f"kvmesh: serving {config.model_name} on http://{config.host}:{config.port}/v1",
             flush=True,
         )
         stop.wait()
+    except _Stop:  # asked to stop while deploying: a clean stop, as after it
+        pass
     finally:
         print("kvmesh: shutting down", flush=True)
+        interrupted, deploying = deploying, False  # a second signal must not cut the teardown
         try:
-            serve.shutdown()
+            # An app that never came up has nothing to drain: with our own Ray, its shutdown
+            # ends every replica at once (serve.shutdown waits ~30 s on pending ones).
+            if not (interrupted and started_ray):
+                serve.shutdown()
         finally:
             if started_ray:
                 ray.shutdown()

@@ -33,3 +33,15 @@ def test_synthetic_trace_hits_evicts_and_loads() -> None:
     assert totals["evictions"] > 0 and totals["loaded_tokens"] > 0
     assert totals["connector_hits_loaded"] * 8 == totals["loaded_tokens"]
     assert totals["connector_evicted_blocks"] == totals["evictions"]
+
+
+def test_a_setting_named_twice_in_the_yaml_is_refused(tmp_path) -> None:
+    """PyYAML keeps the last of two equal keys; a settings file that names one twice (or
+    once with dashes and once with underscores) is refused before anything starts."""
+    for text, name in (("workers: 1\nworkers: 3\n", "'workers' is set twice"),
+                       ("max-workers: 2\nmax_workers: 3\n", "sets max_workers twice")):  # fmt: skip
+        config = tmp_path / "serve.yaml"
+        config.write_text(text)
+        out = kvmesh("serve", "--config", str(config), "--address", "127.0.0.1:1")
+        assert out.returncode == 2 and name in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr

@@ -200,9 +200,23 @@ def test_unknown_model_is_a_clear_error() -> None:
 
 
 def test_request_that_can_never_fit_the_pool(llm: LLM) -> None:
+    """A pool smaller than the model's context caps the context (as vLLM's start-up check
+    would): a request beyond it is refused up front."""
     small = make_llm(num_kv_blocks=4)
-    with pytest.raises(ValueError, match="at most 16"):
+    assert small.engine.max_model_len == 16  # 4 blocks of 4, not the model's 2048
+    with pytest.raises(ValueError, match=r"longer than the context \(16 tokens"):
         small.generate(["x" * 20], SamplingParams(max_tokens=2))
+
+
+def test_a_context_the_pool_cannot_hold_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="max_model_len: 32 tokens do not fit in the KV cache"):
+        make_llm(num_kv_blocks=4, max_model_len=32)
+    assert make_llm(num_kv_blocks=4, max_model_len=16).engine.max_model_len == 16
+
+
+def test_a_host_tier_larger_than_the_machine_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"host_cache_memory: .* more than this machine"):
+        make_llm(host_cache_memory="64TiB")
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:

@@ -307,13 +307,19 @@ def test_backend_failures_are_500s_and_stream_errors(caplog: pytest.LogCaptureFi
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_larger_than_the_pool_is_a_400(stream: bool) -> None:
-    """Only the engine knows its pool: its admission error still comes back as a 400, also
-    for a stream (headers wait for the first chunk)."""
-    small = LocalBackend(model=MODEL, block_size=4, num_kv_blocks=8, progress=False)
+    """A pool smaller than the model's context caps the context the API serves: /v1/models
+    says so, a request beyond it is a 400 naming max_tokens (also for a stream), and one
+    without max_tokens fits (before: a 400 for every chat without max_tokens)."""
+    small = LocalBackend(model=MODEL, block_size=4, num_kv_blocks=32, progress=False)
     try:
         with serve(build_api(small, model_name=MODEL)) as port:
-            status, body = call(port, "POST", *chat(max_tokens=100, stream=stream))
+            status, models = call(port, "GET", "/v1/models")
+            assert status == 200 and models["data"][0]["max_model_len"] == 128
+            status, body = call(port, "POST", *chat(max_tokens=200, stream=stream))
             assert status == 400 and body["error"]["type"] == "invalid_request_error"
-            assert "KV cache" in body["error"]["message"]
+            assert body["error"]["param"] == "max_tokens"
+            assert "context of 128 tokens" in body["error"]["message"]
+            status, body = call(port, "POST", *chat(stream=stream))
+            assert status == 200, body
     finally:
         small.shutdown()

@@ -3,6 +3,7 @@ SIGTERM shuts down leaving no Ray process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,32 +36,24 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 240) -> N
     raise AssertionError("kvmesh serve never became healthy")
 
 
+def serve_cmd(port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "kvmesh.cluster", "serve", "--model", "tiny-random",
+            "--workers", "1", "--port", str(port), *flags]  # fmt: skip
+
+
+ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def test_serve_answers_then_shuts_down_cleanly() -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvmesh.cluster",
-        "serve",
-        "--address",
-        "local",
-        "--model",
-        "tiny-random",
-        "--block-size",
-        "4",
-        "--kv-cache-memory",
-        "8MiB",
-        "--workers",
-        "1",
-        "--port",
-        str(port),
-        "--api-key",
-        "sekret",
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    flags = ["--address", "local", "--block-size", "4", "--kv-cache-memory", "8MiB"]
+    proc = start(serve_cmd(port, *flags, "--api-key", "sekret"))
     try:
         wait_healthy(port, proc)
         descendants = psutil.Process(proc.pid).children(recursive=True)
@@ -84,3 +77,66 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
     assert "shutting down" in out
     _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not alive, f"left behind: {[p.cmdline()[:2] for p in alive]}"
+
+
+def test_an_address_where_nothing_answers_fails_at_once() -> None:
+    """Ray retries a GCS that does not answer for minutes; an explicit address is checked
+    first (before: 150 s of retry logs, and no exit)."""
+    started = time.monotonic()
+    out = subprocess.run(
+        serve_cmd(free_port(), "--address", f"127.0.0.1:{free_port()}"),
+        env=ENV, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out
+    assert "no Ray cluster answers at 127.0.0.1:" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_sigterm_stops_a_deployment_that_never_comes_up() -> None:
+    """A worker asks for a resource no node has, so the app never comes up; SIGTERM still
+    stops it and leaves no Ray process (before: ignored until SIGKILL)."""
+    flags = ["--address", "local", "--worker-resources", '{"no_such_node": 1}']
+    proc = start(serve_cmd(free_port(), *flags))
+    try:
+        # Signals sent while ray.init runs are Ray's to handle; wait for Serve's controller:
+        # the deployment is then under way (it waits for its replica from then on).
+        deadline = time.monotonic() + 180
+        while not any("ServeController" in cmdline(p) for p in descendants(proc)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(1)
+        time.sleep(3)
+        started = descendants(proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "shutting down" in out
+    assert "Traceback" not in out
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, f"left behind: {[p.cmdline()[:2] for p in alive]}"
+
+
+def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+def cmdline(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):  # it may end while we look
+        return " ".join(p.cmdline())
+    return ""
+
+
+def test_a_worker_that_cannot_start_is_named_with_its_error() -> None:
+    """The pool cannot hold the asked context: the worker refuses to start, and the command
+    says why in one line (before: a Serve traceback naming only the deployment)."""
+    flags = ["--address", "local", "--kv-cache-memory", "64KiB", "--max-model-len", "512"]
+    out = subprocess.run(
+        serve_cmd(free_port(), *flags), env=ENV, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 1, out.stdout[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvmesh: error: kvmesh-worker failed to start: ValueError: "), last
+    assert "max_model_len: 512 tokens do not fit in the KV cache, which holds 128" in last
+    assert "Traceback" not in out.stderr

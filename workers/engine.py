@@ -19,7 +19,7 @@ from kvmesh.workers.block_hash import ModelFingerprint
 from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.detokenizer import Detokenizer
-from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.engine_config import EngineConfig, check_host_memory, context_len
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.kv_cache_manager import KVCacheManager
 from kvmesh.workers.kv_connector import KvCacheConnector, NoopKvCacheConnector, PullPlan
@@ -94,9 +94,6 @@ class LLMEngine:
         weights = load_weights(config.model, progress=config.progress)
         self.model_config = mc = weights.config
         self.tokenizer = weights.tokenizer
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
         backend = get_attn_backend(config.attention_backend, self.device, self.dtype)
         model = LlamaForCausalLM(mc, backend)
         model.load_state_dict(weights.state_dict)
@@ -117,6 +114,7 @@ class LLMEngine:
                 f"kv_cache_memory: {config.kv_cache_memory!r} holds no block of "
                 f"{config.block_size} tokens for this model"
             )
+        self.max_model_len = context_len(config, mc.max_position_embeddings, num_blocks)
         self.kv_cache = KVCache.allocate(mc, num_blocks, config.block_size, self.dtype, self.device)
         self.fingerprint = ModelFingerprint(
             weights_id=weights_id,
@@ -135,6 +133,7 @@ class LLMEngine:
         if connector is not None and not isinstance(connector, KvCacheConnector):
             connector = connector(ConnectorContext(worker_id, self.kv_cache, self.fingerprint))
         tiers = config.tier_config
+        check_host_memory(tiers.host_bytes)
         if tiers.enabled:  # the local tiers sit in front of any other connector
             connector = TieredKvConnector(
                 connector or NoopKvCacheConnector(),

@@ -1,7 +1,10 @@
-"""The engine's configuration, built once and passed down."""
+"""The engine's configuration, built once and passed down, and the checks of it that need the
+model or the machine (the context the pool holds, the host tier against the memory)."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +12,7 @@ import torch
 from kvmesh.workers.kv_tiers import TierConfig
 from kvmesh.workers.memory_size import parse_memory
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -79,3 +83,39 @@ class EngineConfig:
         if self.dtype is not None:
             return _DTYPES[self.dtype]
         return torch.bfloat16 if self.resolved_device.startswith("cuda") else torch.float32
+
+
+def check_host_memory(host_bytes: int) -> None:
+    """Refuse a host tier larger than this machine's memory: it fills lazily, so it would
+    otherwise end in an out-of-memory kill long after the start."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host_bytes > total:
+        raise ValueError(
+            f"host_cache_memory: {host_bytes / 2**30:.1f} GiB is more than this machine's "
+            f"memory ({total / 2**30:.1f} GiB)"
+        )
+
+
+def context_len(config: EngineConfig, model_len: int, num_blocks: int) -> int:
+    """One request's context: ``max_model_len`` (default: the model's), at most what the pool
+    holds. A pool too small for the model's context caps the default, with a warning, so
+    requests without ``max_tokens`` still fit (as clients read it from /v1/models); an
+    explicit ``max_model_len`` the pool cannot hold is refused, as vLLM does."""
+    pool_tokens = num_blocks * config.block_size
+    wanted = min(config.max_model_len or model_len, model_len)
+    if wanted <= pool_tokens:
+        return wanted
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len: {wanted} tokens do not fit in the KV cache, which holds "
+            f"{pool_tokens} ({num_blocks} blocks of {config.block_size}); raise "
+            "kv_cache_memory or lower max_model_len"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens, less than the model's context of %d: serving a "
+        "context of %d (raise kv_cache_memory for more)",
+        pool_tokens,
+        wanted,
+        pool_tokens,
+    )
+    return pool_tokens
