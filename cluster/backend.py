@@ -130,6 +130,13 @@ class Backend(Protocol):
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (for logprobs)."""
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's raw bytes (for logprobs: part of a character where a token holds
+        only part of one)."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` as generated text decodes them (for logprobs' text offsets)."""
+
     async def generate(self, request: GenerateRequest) -> Completion: ...
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]: ...

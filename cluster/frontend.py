@@ -34,7 +34,13 @@ from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
-from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids, token_texts
+from kvmesh.workers.chat import (
+    chat_prompt_ids,
+    decode,
+    prompt_token_ids,
+    token_bytes,
+    token_texts,
+)
 from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.outputs import StreamDelta
 
@@ -82,6 +88,12 @@ class ClusterBackend:
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         return token_texts(self.tokenizer, ids)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        return token_bytes(self.tokenizer, ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return decode(self.tokenizer, ids)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_ids is not None:  # tokenized once, by the HTTP layer

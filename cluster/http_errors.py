@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvmesh.cluster.api_error import ApiError, error_body
 from kvmesh.cluster.backend import Unavailable
-from kvmesh.cluster.protocol import ApiError, describe_errors, error_body
+from kvmesh.cluster.protocol import describe_errors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from kvmesh.cluster.api_error import error_body
 from kvmesh.cluster.metrics import ServeMetrics
-from kvmesh.cluster.protocol import error_body
 
 
 class LimitBody:

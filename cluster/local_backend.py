@@ -19,7 +19,13 @@ from typing import Any
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.metrics import tier_totals
-from kvmesh.workers.chat import chat_prompt_ids, prompt_token_ids, token_texts
+from kvmesh.workers.chat import (
+    chat_prompt_ids,
+    decode,
+    prompt_token_ids,
+    token_bytes,
+    token_texts,
+)
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.outputs import StreamDelta
 from kvmesh.workers.worker import Worker
@@ -63,6 +69,12 @@ class LocalBackend:
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         return token_texts(self.tokenizer, ids)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        return token_bytes(self.tokenizer, ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return decode(self.tokenizer, ids)
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh import __version__
 from kvmesh.cluster.admission import GENERATION_PATHS, Admission, AdmitRequests
+from kvmesh.cluster.api_error import ApiError, valid
 from kvmesh.cluster.backend import Backend, Chunk, GenerateRequest
 from kvmesh.cluster.http_errors import (
     OVERLOADED_STATUS,
@@ -55,14 +56,7 @@ from kvmesh.cluster.openapi_doc import (
     json_response,
     request_body,
 )
-from kvmesh.cluster.protocol import (
-    ApiError,
-    B,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-    valid,
-)
+from kvmesh.cluster.protocol import B, ChatCompletionRequest, CompletionRequest, parse_body
 from kvmesh.cluster.response_shape import ResponseShape
 
 logger = logging.getLogger(__name__)
@@ -105,8 +99,12 @@ def build_api(
     async def check_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        # RFC 7235: the scheme is case-insensitive ("bearer" too); the key is not, and is
+        # compared in constant time. RFC 6750 allows more than one space before it.
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            given.lstrip(" ").encode(), api_key.encode()
+        ):
             raise ApiError(
                 401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
             )
@@ -229,7 +227,7 @@ class _Generation:
         if not stream:
             completion = await _until_disconnect(request, self.backend.generate(req))
             self.metrics.observe_completion(completion)
-            return JSONResponse(shape.response(completion, self.backend.token_texts))
+            return JSONResponse(shape.response(completion, self.backend))
         chunks = self.backend.stream(req)
         # Headers wait for the first chunk: admission errors are still a 4xx, and a client
         # that leaves while its request is queued cancels it.
@@ -265,7 +263,7 @@ class _Generation:
                         chunk.finish_reason,
                         completion=chunk.completion,
                         logprobs=(lp_ids, lp_entries) if lp_entries else None,
-                        token_texts=self.backend.token_texts if lp_entries else None,
+                        vocab=self.backend if lp_entries else None,
                     )
                     lp_ids, lp_entries = [], []
                     yield _sse(piece | extra)

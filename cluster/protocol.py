@@ -1,64 +1,41 @@
-"""OpenAI request bodies (pydantic), their checks, and error bodies.
+"""OpenAI request bodies (pydantic) and their checks.
 
 Requests are parsed in strict mode: OpenAI rejects ``"max_tokens": "10"``, so do we, rather
-than coerce. Unknown fields are ignored because official clients send fields we do not use.
-Ranges (max_tokens >= 1, 0 < top_p <= 1, ...) are checked by ``SamplingParams`` alone, so the
-Python API and HTTP give the same messages; the request models only *document* them in their
-JSON schema (OpenAPI), from the same constants.
-
-Responses are built by ``response_shape.py``.
+than coerce. Fields OpenAI does not define are ignored, because clients send vendor extras;
+those it defines but kvmesh does not implement are refused unless they ask for nothing
+(``unsupported_fields.py``). Ranges of the sampling fields (max_tokens >= 1, 0 < top_p <= 1,
+...) are checked by ``SamplingParams`` alone, so the Python API and HTTP give the same
+messages; the models only *document* them in their JSON schema (OpenAPI), from the same
+constants. Errors: ``api_error.py``; responses: ``response_shape.py``.
 """
 
 from __future__ import annotations
 
-import re
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
+from kvmesh.cluster.api_error import ApiError, valid
+from kvmesh.cluster.unsupported_fields import (
+    PENALTY_RANGE,
+    EmptyList,
+    NoneChoice,
+    Penalty,
+    Unsupported,
+    is_empty,
+    is_none_choice,
+    is_zero,
+    only,
+    unsupported_doc,
+)
 from kvmesh.workers.chat import ROLES
 from kvmesh.workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
-# "field: why" -> field; the engine and SamplingParams name the field this way.
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's error body and ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
-
-    @classmethod
-    def bad_input(cls, e: ValueError, rename: dict[str, str] | None = None) -> ApiError:
-        """A "field: why" ValueError -> 400 with param = field (renamed per ``rename``)."""
-        message = str(e)
-        m = _FIELD_PREFIX.match(message)
-        if m is None:
-            return cls(400, message)
-        param = (rename or {}).get(m.group(1), m.group(1))
-        return cls(400, f"{param}: {message[m.end() :]}", param=param)
-
-
-def valid(fn: Callable[[], T], rename: dict[str, str] | None = None) -> T:
-    """Run a validating call; its ValueError becomes a 400 naming the field."""
-    try:
-        return fn()
-    except ValueError as e:
-        raise ApiError.bad_input(e, rename) from None
 
 
 class _Body(BaseModel):
@@ -91,6 +68,11 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResponseFormat(_Body):
+    # OpenAI's types; json_schema's own fields are not read: only "text" is served.
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -108,10 +90,33 @@ class ChatMessage(_Body):
 
 
 class _GenerateBody(_Body):
-    """Fields both endpoints share; ``None`` means "the default"."""
+    """Fields both endpoints share; ``None`` means "the default".
+
+    Of OpenAI's fields kvmesh does not implement (``UNSUPPORTED``), both endpoints take
+    ``presence_penalty`` and ``frequency_penalty`` only as 0 or null (a number in OpenAI's
+    [-2, 2] otherwise is a 400 saying kvmesh does not support it; outside it, a 400 for the
+    range) and ``logit_bias`` only as ``{}`` or null. ``stream_options`` needs ``stream:
+    true`` (OpenAI's 400 too). ``user`` is accepted and unused (it asks for nothing).
+    """
+
+    # stream_options without stream: true is a 400 (check()); the schema says so too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+                {"properties": {"stream_options": {"type": "null"}}},
+            ]
+        }
+    )
 
     PROMPT_FIELD: ClassVar[str]
     LOGPROBS_FIELD: ClassVar[str]
+    # field -> what kvmesh accepts of an OpenAI field it does not implement
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        "presence_penalty": Unsupported("presence_penalty", "0", is_zero),
+        "frequency_penalty": Unsupported("frequency_penalty", "0", is_zero),
+        "logit_bias": Unsupported("logit_bias", "{}", is_empty),
+    }
 
     model: str | None = None
     max_tokens: Annotated[int | None, _schema("integer", minimum=1)] = Field(
@@ -134,6 +139,11 @@ class _GenerateBody(_Body):
     n: Annotated[int, _schema("integer", nullable=False, minimum=1, maximum=1)] = 1
     ignore_eos: bool = Field(False, description="vLLM's extension: generate past EOS.")
     user: str | None = None  # accepted, unused
+    presence_penalty: Penalty = Field(None, description=unsupported_doc("0", PENALTY_RANGE))
+    frequency_penalty: Penalty = Field(None, description=unsupported_doc("0", PENALTY_RANGE))
+    logit_bias: Annotated[dict[str, float] | None, only({"type": "object", "maxProperties": 0})] = (
+        Field(None, description=unsupported_doc("{}"))
+    )
 
     @property
     def include_usage(self) -> bool:
@@ -157,7 +167,8 @@ class _GenerateBody(_Body):
         endpoint spells logprobs its own way)."""
 
     def check(self, model_name: str) -> None:
-        """Checks that need no tokens: the model, n, and top_logprobs without logprobs."""
+        """Checks that need no tokens: the model, n, the fields kvmesh does not implement,
+        stream_options without stream, and top_logprobs without logprobs."""
         if self.model is not None and self.model != model_name:
             raise ApiError(
                 404,
@@ -167,6 +178,13 @@ class _GenerateBody(_Body):
             )
         if self.n != 1:
             raise ApiError(400, f"n: only n=1 is supported, got {self.n}", param="n")
+        for name, unsupported in self.UNSUPPORTED.items():
+            if not unsupported.is_off(getattr(self, name)):
+                raise unsupported.error(name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                400, "stream_options: only allowed with stream: true", param="stream_options"
+            )
         self.num_logprobs()
 
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
@@ -203,14 +221,55 @@ class _GenerateBody(_Body):
 
 
 class ChatCompletionRequest(_GenerateBody):
+    """OpenAI's chat completion request.
+
+    Besides the shared fields (``_GenerateBody``), OpenAI's chat fields kvmesh does not
+    implement are accepted only at a value that asks for nothing, else a 400 naming the field:
+    ``response_format`` only ``{"type": "text"}`` or null (no JSON mode, no structured
+    outputs); ``tools`` and the deprecated ``functions`` only ``[]`` or null, ``tool_choice``
+    and ``function_call`` only ``"none"`` or null (no tool calls: OpenAI and vLLM refuse a
+    tool_choice without tools too). ``parallel_tool_calls`` is accepted at any boolean: with
+    no tools it asks for nothing.
+    """
+
     PROMPT_FIELD = "messages"
     LOGPROBS_FIELD = "top_logprobs"
+    UNSUPPORTED = _GenerateBody.UNSUPPORTED | {
+        "response_format": Unsupported(
+            "JSON mode or structured outputs",
+            '{"type": "text"}',
+            lambda v: v is None or v.type == "text",
+        ),
+        "tools": Unsupported("tool calls", "[]", is_empty),
+        "tool_choice": Unsupported("tool calls", '"none"', is_none_choice),
+        "functions": Unsupported("function calls", "[]", is_empty),
+        "function_call": Unsupported("function calls", '"none"', is_none_choice),
+    }
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's newer name; wins over max_tokens
     max_completion_tokens: Annotated[int | None, _schema("integer", minimum=1)] = None
     logprobs: bool = False
     top_logprobs: Annotated[int | None, _LOGPROBS] = Field(
         None, description="Needs logprobs: true."
+    )
+    response_format: Annotated[
+        ResponseFormat | None,
+        only(
+            {
+                "type": "object",
+                "properties": {"type": {"const": "text"}},
+                "required": ["type"],
+            }
+        ),
+    ] = Field(None, description=unsupported_doc('{"type": "text"}'))
+    tools: EmptyList = Field(None, description=unsupported_doc("[]"))
+    tool_choice: NoneChoice = Field(None, description=unsupported_doc('"none"'))
+    parallel_tool_calls: bool | None = Field(
+        None, description="Accepted, unused: kvmesh takes no tools."
+    )
+    functions: EmptyList = Field(None, description=unsupported_doc("[]", " Deprecated by OpenAI."))
+    function_call: NoneChoice = Field(
+        None, description=unsupported_doc('"none"', " Deprecated by OpenAI.")
     )
 
     def num_logprobs(self) -> int | None:
@@ -234,12 +293,34 @@ class ChatCompletionRequest(_GenerateBody):
 
 
 class CompletionRequest(_GenerateBody):
+    """OpenAI's (legacy) completion request.
+
+    Besides the shared fields (``_GenerateBody``), OpenAI's completion fields kvmesh does not
+    implement are accepted only at a value that asks for nothing, else a 400 naming the field:
+    ``echo`` only false or null, ``best_of`` only 1 or null (below 1 is a 400 for the range),
+    ``suffix`` only null or ``""`` (no insertion).
+    """
+
     PROMPT_FIELD = "prompt"
     LOGPROBS_FIELD = "logprobs"
+    UNSUPPORTED = _GenerateBody.UNSUPPORTED | {
+        "echo": Unsupported("echo", "false", lambda v: v is None or v is False),
+        "best_of": Unsupported("best_of above 1", "1", lambda v: v is None or v == 1),
+        "suffix": Unsupported("suffix (insertion)", '""', is_empty),
+    }
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="Text or token ids; a batch must hold exactly one prompt."
     )
     logprobs: Annotated[int | None, _LOGPROBS] = None
+    echo: Annotated[bool | None, only({"const": False})] = Field(
+        None, description=unsupported_doc("false")
+    )
+    best_of: Annotated[Annotated[int, Field(ge=1)] | None, only({"const": 1})] = Field(
+        None, description=unsupported_doc("1")
+    )
+    suffix: Annotated[str | None, only({"const": ""})] = Field(
+        None, description=unsupported_doc('""')
+    )
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -256,7 +337,14 @@ class CompletionRequest(_GenerateBody):
 
 _FIELDS = frozenset(
     name
-    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, StreamOptions)
+    for model in (
+        ChatCompletionRequest,
+        CompletionRequest,
+        ChatMessage,
+        TextPart,
+        StreamOptions,
+        ResponseFormat,
+    )
     for name in model.model_fields
 )
 
@@ -305,18 +393,6 @@ def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
     if not param:
         return f"request body: {err.get('msg', 'invalid')}", None
     return f"{param}: {err.get('msg', 'invalid')}", param
-
-
-# -- errors -----------------------------------------------------------------------------------
-
-
-def error_body(
-    message: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)

@@ -7,12 +7,26 @@ the tests check the two agree.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
 
 from kvmesh.cluster.backend import Completion
+
+# Tokens decoded again with each next token to see what text it adds (``_TextOffsets``): more
+# than one character's tokens (up to 4 in a byte-level BPE: one per UTF-8 byte), with room for
+# special tokens between them. No byte-level BPE or SentencePiece decoder looks further back.
+OFFSET_WINDOW = 8
+
+
+class Vocab(Protocol):
+    """What logprobs need from the tokenizer (a ``Backend`` has all of it)."""
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]: ...
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 def usage(c: Completion) -> dict[str, Any]:
@@ -38,22 +52,21 @@ class ResponseShape:
     ) -> None:
         self.kind, self.id, self.model = kind, request_id, model
         self.logprobs = logprobs  # top alternatives per token; None: no logprobs
-        self._text_offset = 0  # completions' logprobs.text_offset, across stream chunks
+        self._offsets = _TextOffsets()  # completions' logprobs.text_offset, across chunks
+        self._text_len = 0  # characters of text streamed so far
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(
-        self, c: Completion, token_texts: Callable[[list[int]], list[str]] | None = None
-    ) -> dict[str, Any]:
-        """The non-streaming response; ``token_texts`` names tokens in its logprobs."""
+    def response(self, c: Completion, vocab: Vocab | None = None) -> dict[str, Any]:
+        """The non-streaming response; ``vocab`` names the tokens in its logprobs."""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
-        logprobs = self._logprobs(c.token_ids, c.logprobs, token_texts)
+        logprobs = self._logprobs(c.token_ids, c.logprobs, vocab, len(c.text))
         choice |= {"logprobs": logprobs, "finish_reason": c.finish_reason}
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._head(obj) | {
@@ -66,12 +79,14 @@ class ResponseShape:
         self,
         token_ids: list[int],
         entries: list[dict[int, float]] | None,
-        token_texts: Callable[[list[int]], list[str]] | None,
+        vocab: Vocab | None,
+        text_len: int,
     ) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these generated tokens: ``content`` items for chat;
         ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (counted from the
-        start of the completion, across stream chunks) for completions."""
-        if self.logprobs is None or entries is None or token_texts is None:
+        start of the completion, across stream chunks) for completions. ``text_len``: the
+        characters of text given out so far, these tokens' included."""
+        if self.logprobs is None or entries is None or vocab is None:
             return None
         # (sampled token, its logprob, the top alternatives best first) per generated token
         rows = [
@@ -79,24 +94,27 @@ class ResponseShape:
             for tok, entry in zip(token_ids, entries, strict=False)
         ]
         ids = sorted({t for entry in entries for t in entry})
-        text = dict(zip(ids, token_texts(ids), strict=True))
+        # A token's text is its own decode, so one that holds part of a character shows
+        # "\ufffd" (as OpenAI shows such tokens); its bytes are the token's own.
+        text = dict(zip(ids, vocab.token_texts(ids), strict=True))
         if self.kind == "chat":
+            raw = dict(zip(ids, vocab.token_bytes(ids), strict=True))
 
             def item(t: int, lp: float) -> dict[str, Any]:
-                return {"token": text[t], "logprob": lp, "bytes": list(text[t].encode())}
+                return {"token": text[t], "logprob": lp, "bytes": list(raw[t])}
 
             content = [
                 item(t, lp) | {"top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in rows
             ]
             return {"content": content, "refusal": None}
-        offsets = list(itertools.accumulate((len(text[t]) for t, _, _ in rows), initial=0))
-        start, self._text_offset = self._text_offset, self._text_offset + offsets[-1]
+        offsets = self._offsets.add([t for t, _, _ in rows], vocab.decode)
         return {
             "tokens": [text[t] for t, _, _ in rows],
             "token_logprobs": [lp for _, lp, _ in rows],
             # Two tokens can share a text (a "\ufffd" byte piece): the best one names it.
             "top_logprobs": [{text[a]: b for a, b in reversed(top)} for _, _, top in rows],
-            "text_offset": [start + o for o in offsets[:-1]],
+            # Tokens past a stop string have text the completion cut off: at its end.
+            "text_offset": [min(o, text_len) for o in offsets],
         }
 
     def chunk(
@@ -107,10 +125,10 @@ class ResponseShape:
         role: bool = False,
         completion: Completion | None = None,
         logprobs: tuple[list[int], list[dict[int, float]]] | None = None,
-        token_texts: Callable[[list[int]], list[str]] | None = None,
+        vocab: Vocab | None = None,
     ) -> dict[str, Any]:
         """A stream chunk; the last one (with ``completion``) also carries ``kvmesh``.
-        ``logprobs``: the chunk's tokens and their logprob entries."""
+        ``logprobs``: the chunk's tokens and their logprob entries, named by ``vocab``."""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -119,7 +137,8 @@ class ResponseShape:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        lp = self._logprobs(*logprobs, token_texts) if logprobs is not None else None
+        self._text_len += len(text)
+        lp = self._logprobs(*logprobs, vocab, self._text_len) if logprobs is not None else None
         choice |= {"logprobs": lp, "finish_reason": finish_reason}
         out = self._head(self.chunk_object) | {"choices": [choice]}
         if completion is not None:
@@ -137,3 +156,54 @@ class ResponseShape:
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+
+class _TextOffsets:
+    """Completions' ``text_offset``: where in the generated text each token's text starts,
+    as decoding the tokens one by one shows it (the text streams that way too).
+
+    A token can end in part of a character (a byte-level BPE spells "Ü" with two tokens): the
+    text so far then ends in a "\ufffd" that the next token replaces with the character. So a
+    token's text starts where the text stops changing: after what it and every later token
+    leave as it was, the pending "\ufffd" excluded. Every token of a character gets the
+    offset where the character starts, and ``text[offset:]`` begins with what a token added.
+    """
+
+    def __init__(self) -> None:
+        # The last tokens and their text: only they are decoded again (linear cost); text
+        # before them no longer changes.
+        self.window: list[int] = []
+        self.window_text = ""
+        self.length = 0  # characters the tokens so far decode to
+        self.pending = False  # the text ends in a "\ufffd" that a next token may rewrite
+        self.given = 0  # the last offset given out: offsets never go back across chunks
+
+    def add(self, ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> list[int]:
+        """The offsets of ``ids``, the tokens after those already added."""
+        kept = []  # per token: the characters before it that it leaves unchanged
+        for t in ids:
+            # The window's text with and without ``t`` start alike (a window that starts
+            # mid-character shows "\ufffd"s in both), so one shift maps them to the text.
+            after = decode([*self.window, t])
+            shift = self.length - len(self.window_text)
+            kept.append(shift + _common_prefix_len(self.window_text, after))
+            self.length, self.pending = shift + len(after), after.endswith("\ufffd")
+            self.window.append(t)
+            self.window_text = after
+            if len(self.window) >= 2 * OFFSET_WINDOW:  # cut back: one decode per OFFSET_WINDOW
+                self.window = self.window[-OFFSET_WINDOW:]
+                self.window_text = decode(self.window)
+        offsets, settled = [], self.length - self.pending
+        for k in reversed(kept):
+            settled = min(settled, k)
+            offsets.append(max(settled, self.given))
+        offsets.reverse()
+        self.given = offsets[-1] if offsets else self.given
+        return offsets
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -25,7 +25,7 @@ def test_chat_logprobs_match_the_engine(client: openai.OpenAI, backend: LocalBac
     for item, tok, entry in zip(content, want.token_ids, want.logprobs, strict=True):
         assert item.token == backend.token_texts([tok])[0]
         assert item.logprob == pytest.approx(entry[tok], abs=1e-5)
-        assert item.bytes == list(item.token.encode())
+        assert bytes(item.bytes) == backend.token_bytes([tok])[0]  # raw, not the text's
         assert len(item.top_logprobs) == 3
         tops = [t.logprob for t in item.top_logprobs]
         assert tops == sorted(tops, reverse=True) and max(tops) == pytest.approx(item.logprob)

@@ -1,9 +1,14 @@
 """Prompts -> token ids: text through the tokenizer, chat messages through the model's own
-chat template, token ids checked against the vocabulary."""
+chat template, token ids checked against the vocabulary. Token ids -> what logprobs show of
+them: each token's text and its raw bytes."""
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -36,6 +41,93 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """Each token decoded on its own, as OpenAI's logprobs show tokens. Special tokens are
     skipped ("") as in the generated text, so the sampled tokens' texts add up to it."""
     return [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text of ``ids`` as the generated text decodes them (special tokens skipped)."""
+    return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def token_bytes(tokenizer: Any, ids: Sequence[int]) -> list[bytes]:
+    """Each token's raw bytes, as OpenAI's logprobs ``bytes`` give them: joined, a text's
+    tokens give its UTF-8 even where a token holds only part of a character (byte-level BPE
+    spells "Ü" with two tokens), which the token's own text shows as "\ufffd".
+
+    The bytes come from the token's vocabulary string, read as the tokenizer's decoder reads
+    it: a byte-level BPE (GPT-2's scheme; SmolLM2 and tiny-random) spells each byte as one
+    printable character; SentencePiece with byte fallback has "<0xE3>"-style byte tokens and
+    "▁" for a space. Special tokens are b"", as their text is "" (the generated text skips
+    them); any other token (an added token, an unknown scheme) is the UTF-8 of its text.
+    """
+    ids = list(ids)
+    spelling = _spelling(tokenizer)
+    added = tokenizer.added_tokens_decoder  # id -> AddedToken: not spelled in the scheme
+    out: list[bytes] = []
+    for t, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids), strict=True):
+        if t in added and added[t].special:
+            out.append(b"")
+            continue
+        raw = None if t in added or piece is None else spelling.bytes_of(piece)
+        out.append(raw if raw is not None else tokenizer.decode([t]).encode())
+    return out
+
+
+@dataclass(frozen=True)
+class _Spelling:
+    """How a vocabulary spells bytes, from its decoder's steps."""
+
+    byte_level: bool = False  # GPT-2's printable character per byte
+    byte_fallback: bool = False  # "<0xNN>" tokens
+    replace: tuple[tuple[str, str], ...] = ()  # SentencePiece's "▁" -> " ", in order
+
+    def bytes_of(self, piece: str) -> bytes | None:
+        """The bytes of one vocabulary string; None when this spelling does not say."""
+        if self.byte_level:
+            table = _byte_level_table()
+            # As the ByteLevel decoder does: a string not wholly in the table is its UTF-8.
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        if self.byte_fallback:
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m is not None:
+                return bytes([int(m[1], 16)])
+            for pattern, content in self.replace:
+                piece = piece.replace(pattern, content)
+            return piece.encode()
+        return None
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _spelling(tokenizer: Any) -> _Spelling:
+    """The byte spelling a fast tokenizer's decoder implies (the default for any other)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return _Spelling()
+    # The decoder's own JSON (small, unlike the whole tokenizer's): a step or a Sequence.
+    spec = json.loads(decoder.__getstate__())
+    steps = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
+    types = {s.get("type") for s in steps}
+    # "▁" -> " " is a Replace step (Llama's tokenizer.json) or a Metaspace one (newer files).
+    replace: list[tuple[str, str]] = []
+    for step in steps:
+        if step.get("type") == "Replace" and "String" in step.get("pattern", {}):
+            replace.append((step["pattern"]["String"], step["content"]))
+        elif step.get("type") == "Metaspace":
+            replace.append((step.get("replacement", "▁"), " "))
+    return _Spelling("ByteLevel" in types, "ByteFallback" in types, tuple(replace))
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's ``bytes_to_unicode`` inverted: the printable character that spells each byte
+    in a byte-level BPE vocabulary -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> list[int]:

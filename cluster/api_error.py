@@ -1,0 +1,54 @@
+"""The API's errors: ``ApiError`` (an OpenAI error body and its status) and how a
+"field: why" ValueError of the engine or ``SamplingParams`` becomes a 400 naming the field."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+# "field: why" -> field; the engine and SamplingParams name the field this way.
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body and ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+    @classmethod
+    def bad_input(cls, e: ValueError, rename: dict[str, str] | None = None) -> ApiError:
+        """A "field: why" ValueError -> 400 with param = field (renamed per ``rename``)."""
+        message = str(e)
+        m = _FIELD_PREFIX.match(message)
+        if m is None:
+            return cls(400, message)
+        param = (rename or {}).get(m.group(1), m.group(1))
+        return cls(400, f"{param}: {message[m.end() :]}", param=param)
+
+
+def valid(fn: Callable[[], T], rename: dict[str, str] | None = None) -> T:
+    """Run a validating call; its ValueError becomes a 400 naming the field."""
+    try:
+        return fn()
+    except ValueError as e:
+        raise ApiError.bad_input(e, rename) from None
+
+
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

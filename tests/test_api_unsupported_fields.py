@@ -1,0 +1,167 @@
+"""OpenAI fields kvmesh does not implement are refused, not silently ignored: each is accepted
+only at the value that asks for nothing (``echo: false``, ``presence_penalty: 0``, ...), and
+anything else is a 400 naming the field (a wrong type or a value out of OpenAI's range too);
+``stream_options`` needs ``stream: true``; ``/openapi.json`` declares just the accepted values.
+Also: the ``Authorization`` scheme is case-insensitive (RFC 7235), the key is not.
+
+Served by uvicorn on loopback over a LocalBackend on tiny-random (conftest.py's ``server``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvmesh.cluster.local_backend import LocalBackend
+from kvmesh.cluster.openai_api import build_api
+from tests.api_helpers import CHAT, COMPLETIONS, assert_bad, chat, complete, sse_events
+from tests.openai_helpers import MODEL, Spy, call, serve
+
+Make = Callable[..., tuple[str, Any]]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# case: (route, field, values refused as not supported, values accepted: those that ask for
+# nothing). Each case sends its field to one route; the penalties and logit_bias, which both
+# routes take, to each.
+FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
+    "echo": (complete, "echo", [True], [False, None]),
+    "best_of": (complete, "best_of", [2, 20], [1, None]),
+    "suffix": (complete, "suffix", ["!", " the end"], [None, ""]),
+    "logit_bias (chat)": (chat, "logit_bias", [{"50": 5}, {"1": -100}], [{}, None]),
+    "logit_bias (completions)": (complete, "logit_bias", [{"50": 100}], [{}, None]),
+    "presence_penalty (chat)": (chat, "presence_penalty", [1, -2, 0.5], [0, 0.0, None]),
+    "presence_penalty (completions)": (complete, "presence_penalty", [2], [0, None]),
+    "frequency_penalty (chat)": (chat, "frequency_penalty", [2, -0.1], [0, 0.0, None]),
+    "frequency_penalty (completions)": (complete, "frequency_penalty", [1.5], [0, None]),
+    "response_format": (
+        chat,
+        "response_format",
+        [
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        ],
+        [{"type": "text"}, None],
+    ),
+    "tools": (chat, "tools", [[TOOL]], [[], None]),
+    "tool_choice": (
+        chat,
+        "tool_choice",
+        ["auto", "required", {"type": "function", "function": {"name": "f"}}],
+        ["none", None],
+    ),
+    "functions (deprecated)": (chat, "functions", [[TOOL["function"]]], [[], None]),
+    "function_call (deprecated)": (chat, "function_call", ["auto", {"name": "f"}], ["none", None]),
+}
+
+
+@pytest.mark.parametrize("case", FIELDS)
+def test_an_unsupported_field_is_refused_unless_it_asks_for_nothing(
+    server: tuple[int, Spy], case: str
+) -> None:
+    make, field, refused, accepted = FIELDS[case]
+    port, spy = server
+    calls = spy.calls
+    for value in refused:
+        status, body = call(port, "POST", *make(**{field: value}))
+        assert_bad(status, body, field)
+        assert "kvmesh does not support" in body["error"]["message"], (value, body)
+    assert spy.calls == calls  # refused before the backend saw anything
+    for value in accepted:
+        status, body = call(port, "POST", *make(max_tokens=1, **{field: value}))
+        assert status == 200, (value, body)
+
+
+# case: (request, param): a wrong type, or out of OpenAI's range
+INVALID: dict[str, tuple[tuple[str, Any], str]] = {
+    "presence_penalty 100 (out of [-2, 2])": (chat(presence_penalty=100), "presence_penalty"),
+    "presence_penalty -2.5": (complete(presence_penalty=-2.5), "presence_penalty"),
+    "frequency_penalty 100": (chat(frequency_penalty=100), "frequency_penalty"),
+    "frequency_penalty a string": (complete(frequency_penalty="0"), "frequency_penalty"),
+    "best_of 0": (complete(best_of=0), "best_of"),
+    "best_of a string": (complete(best_of="1"), "best_of"),
+    "echo a string": (complete(echo="false"), "echo"),
+    "suffix a number": (complete(suffix=1), "suffix"),
+    "logit_bias a list": (chat(logit_bias=[1]), "logit_bias"),
+    "logit_bias a string bias": (chat(logit_bias={"50": "x"}), "logit_bias"),
+    "response_format a string": (chat(response_format="json_object"), "response_format"),
+    "response_format an unknown type": (
+        chat(response_format={"type": "xml"}),
+        "response_format.type",
+    ),
+    "tools an object": (chat(tools=TOOL), "tools"),
+    "tool_choice a number": (chat(tool_choice=1), "tool_choice"),
+    "parallel_tool_calls a string": (chat(parallel_tool_calls="yes"), "parallel_tool_calls"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID)
+def test_an_unsupported_field_of_the_wrong_type_or_range_is_a_400(
+    server: tuple[int, Spy], case: str
+) -> None:
+    (path, body), param = INVALID[case]
+    port, spy = server
+    calls = spy.calls
+    assert_bad(*call(port, "POST", path, body), param)
+    assert spy.calls == calls
+
+
+def test_parallel_tool_calls_asks_for_nothing_without_tools(server: tuple[int, Spy]) -> None:
+    # OpenAI's default is true; with no tools either value changes nothing, so both pass.
+    for value in (True, False, None):
+        status, body = call(server[0], "POST", *chat(max_tokens=1, parallel_tool_calls=value))
+        assert status == 200, (value, body)
+    assert_bad(*call(server[0], "POST", *chat(parallel_tool_calls=1)), "parallel_tool_calls")
+
+
+@pytest.mark.parametrize("make", [chat, complete], ids=["chat", "completions"])
+def test_stream_options_need_stream_true(server: tuple[int, Spy], make: Make) -> None:
+    port, spy = server
+    calls = spy.calls
+    options = {"include_usage": True}
+    for stream in ({}, {"stream": False}):
+        status, body = call(port, "POST", *make(stream_options=options, **stream))
+        assert_bad(status, body, "stream_options")
+    assert spy.calls == calls
+    status, body = call(port, "POST", *make(max_tokens=1, stream=False, stream_options=None))
+    assert status == 200, body
+    path, request = make(max_tokens=1, stream=True, stream_options=options)
+    status, events = sse_events(port, path, request)
+    assert status == 200 and events[-1]["usage"]["completion_tokens"] == 1, events
+
+
+def test_openapi_declares_only_the_accepted_values(server: tuple[int, Spy]) -> None:
+    """So a client (or schemathesis) that follows the schema sends what is answered."""
+    status, schema = call(server[0], "GET", "/openapi.json")
+    assert status == 200
+    models = schema["components"]["schemas"]
+    chat_fields = models["ChatCompletionRequest"]["properties"]
+    completion_fields = models["CompletionRequest"]["properties"]
+    null = {"type": "null"}
+    for fields in (chat_fields, completion_fields):
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            assert fields[penalty]["anyOf"] == [{"const": 0}, null]
+        assert fields["logit_bias"]["anyOf"] == [{"type": "object", "maxProperties": 0}, null]
+    assert completion_fields["echo"]["anyOf"] == [{"const": False}, null]
+    assert completion_fields["best_of"]["anyOf"] == [{"const": 1}, null]
+    assert completion_fields["suffix"]["anyOf"] == [{"const": ""}, null]
+    text = chat_fields["response_format"]["anyOf"][0]
+    assert text["properties"] == {"type": {"const": "text"}}
+    assert chat_fields["tools"]["anyOf"] == [{"type": "array", "maxItems": 0}, null]
+    assert chat_fields["tool_choice"]["anyOf"] == [{"const": "none"}, null]
+    needs_stream = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
+    for name in ("ChatCompletionRequest", "CompletionRequest"):  # stream_options needs stream
+        assert needs_stream in models[name]["anyOf"]
+    assert {CHAT, COMPLETIONS} <= set(schema["paths"])
+
+
+def test_the_authorization_scheme_is_case_insensitive(backend: LocalBackend) -> None:
+    """RFC 7235: the scheme ("Bearer") is case-insensitive; the key itself is not."""
+    with serve(build_api(backend, model_name=MODEL, api_key="s3cret")) as port:
+        for header in ("Bearer s3cret", "bearer s3cret", "BEARER s3cret", "bEaReR s3cret"):
+            status, body = call(port, "GET", "/v1/models", Authorization=header)
+            assert status == 200, (header, body)
+        status, _ = call(port, "GET", "/metrics", Authorization="bearer s3cret")
+        assert status == 200
+        for header in ("bearer S3CRET", "Bearer S3cret", "Basic s3cret", "bearers3cret", "s3cret"):
+            status, body = call(port, "GET", "/v1/models", Authorization=header)
+            assert status == 401 and body["error"]["type"] == "authentication_error", header
