@@ -166,7 +166,7 @@ def _deploy_failure(app_name: str) -> str:
     try:
         app = serve.status().applications.get(app_name)
     except Exception:  # the controller may be gone too: say what is known
-        return "the deployment failed (see the Serve logs)"
+        app = None
     if app is None:
         return "the deployment failed (see the Serve logs)"
     for name, deployment in app.deployments.items():
@@ -213,11 +213,11 @@ def serve_forever(config: ServeConfig, address: str = "auto") -> None:
         pass
     finally:
         print("kvmesh: shutting down", flush=True)
-        interrupted, deploying = deploying, False  # a second signal must not cut the teardown
+        never_up, deploying = deploying, False  # a second signal must not cut the teardown
         try:
             # An app that never came up has nothing to drain: with our own Ray, its shutdown
             # ends every replica at once (serve.shutdown waits ~30 s on pending ones).
-            if not (interrupted and started_ray):
+            if not (never_up and started_ray):
                 serve.shutdown()
         finally:
             if started_ray:
