@@ -81,12 +81,19 @@ class Completion:
     # With SamplingParams.logprobs: per generated token, {token id: logprob} of the sampled
     # token and the top N.
     logprobs: list[dict[int, float]] | None = None
+    # The worker's time from the first token to the last: what a whole (not streamed)
+    # response waited for after its first token, taken off to get the ingress's TTFT.
+    decode_s: float = 0.0
 
     @classmethod
     def of(
         cls, request_id: str, worker: str, out: RequestOutput, prefill_worker: str | None = None
     ) -> Completion:
         """A finished engine output, served by ``worker`` (after ``prefill_worker``)."""
+        m = out.metrics
+        decode_s = 0.0
+        if m.first_token_time is not None and m.finished_time is not None:
+            decode_s = max(0.0, m.finished_time - m.first_token_time)
         return cls(
             request_id=request_id,
             text=out.text,
@@ -95,6 +102,7 @@ class Completion:
             finish_reason=out.finish_reason or "stop",
             kv=KvSource.of(worker, out, prefill_worker),
             logprobs=out.logprobs,
+            decode_s=decode_s,
         )
 
     @property

@@ -4,6 +4,7 @@ through untouched. (Admission, the third, lives in ``admission.py``.)"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -84,6 +85,9 @@ class CountRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # The outermost middleware: the request's arrival, for TTFT as the client sees it
+        # (``request.state.received``).
+        scope.setdefault("state", {})["received"] = time.perf_counter()
         status = 500
 
         async def send_status(message: dict) -> None:

@@ -88,7 +88,8 @@ class ServeMetrics:
         )
         self.ttft = Histogram(
             "time_to_first_token_seconds",
-            "Time to first token, as the worker measured it",
+            "Time to first token at the ingress: from the request's arrival to its first "
+            "token (a stream's first chunk; a whole response's end less the worker's decode)",
             namespace=ns,
             registry=reg,
             buckets=_TTFT_BUCKETS,
@@ -118,8 +119,10 @@ class ServeMetrics:
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
 
-    def observe_completion(self, completion: Completion) -> None:
-        """Count a finished request's tokens and its TTFT."""
+    def observe_completion(self, completion: Completion, ttft_s: float | None) -> None:
+        """Count a finished request's tokens and its TTFT at the ingress (``ttft_s``; the
+        response's ``kvmesh.ttft_ms`` is the worker's own, from the request's arrival there:
+        it leaves out waiting for a worker replica, or a prefill on another worker)."""
         kv = completion.kv
         self.generated_tokens.inc(len(completion.token_ids))
         self.prompt_tokens.labels("local_hit").inc(kv.local_hit_tokens)
@@ -127,8 +130,8 @@ class ServeMetrics:
         self.prompt_tokens.labels("disk_hit").inc(kv.disk_hit_tokens)
         self.prompt_tokens.labels("pulled").inc(kv.pulled_tokens)
         self.prompt_tokens.labels("computed").inc(kv.computed_tokens)
-        if kv.ttft_ms is not None:
-            self.ttft.observe(kv.ttft_ms / 1000)
+        if ttft_s is not None:
+            self.ttft.observe(max(0.0, ttft_s))
 
     def observe_inter_token(self, seconds: float, num_tokens: int = 1) -> None:
         """A streamed chunk of ``num_tokens`` tokens arrived ``seconds`` after the last one."""

@@ -224,15 +224,17 @@ class _Generation:
         stream: bool,
         include_usage: bool,
     ) -> Response:
+        received = getattr(request.state, "received", time.perf_counter())
         if not stream:
             completion = await _until_disconnect(request, self.backend.generate(req))
-            self.metrics.observe_completion(completion)
+            ttft = time.perf_counter() - received - completion.decode_s
+            self.metrics.observe_completion(completion, ttft)
             return JSONResponse(shape.response(completion, self.backend))
         chunks = self.backend.stream(req)
         # Headers wait for the first chunk: admission errors are still a 4xx, and a client
         # that leaves while its request is queued cancels it.
         first = await _until_disconnect(request, chunks.__anext__())
-        events = self._events(first, chunks, shape, include_usage)
+        events = self._events(first, chunks, shape, include_usage, time.perf_counter() - received)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -243,6 +245,7 @@ class _Generation:
         chunks: AsyncIterator[Chunk],
         shape: ResponseShape,
         include_usage: bool,
+        ttft_s: float,
     ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}  # OpenAI: null until the last
         chunk, last = first, time.perf_counter()
@@ -274,7 +277,7 @@ class _Generation:
                 self.metrics.observe_inter_token(now - last, len(chunk.token_ids))
                 last = now
             if chunk.completion is not None:
-                self.metrics.observe_completion(chunk.completion)
+                self.metrics.observe_completion(chunk.completion, ttft_s)
                 if include_usage:
                     yield _sse(shape.usage_chunk(chunk.completion))
         except Exception as e:  # headers are sent: the error goes in the stream
