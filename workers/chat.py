@@ -122,12 +122,11 @@ def _spelling(tokenizer: Any) -> _Spelling:
 
 @functools.cache
 def _byte_level_table() -> dict[str, int]:
-    """GPT-2's ``bytes_to_unicode`` inverted: the printable character that spells each byte
-    in a byte-level BPE vocabulary -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    """GPT-2's ``bytes_to_unicode`` (transformers' own) inverted: the printable character
+    that spells each byte in a byte-level BPE vocabulary -> the byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
