@@ -65,6 +65,9 @@ class ServeConfig:
     downscale_delay_s: float = 30.0  # load must stay low this long before a worker stops
     ingress_replicas: int = 1
     max_migrations: int = 3  # times one request may move to another worker after a failure
+    # Under P/D, how long a prompt waits for a prefill replica to take it (all busy, or none
+    # up while Serve replaces a lost one) before its decode worker computes it instead.
+    prefill_wait_s: float = 2.0
     health_check_period_s: float = 2.0
     # A worker whose step thread made no progress for this long while it had work is
     # unhealthy (Serve replaces it).
@@ -132,6 +135,7 @@ class ServeConfig:
             "health_stall_s",
             "drain_timeout_s",
             "retry_after_s",
+            "prefill_wait_s",
         ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise bad(name, "must be a positive finite number")
@@ -289,6 +293,7 @@ _TYPES: dict[str, type] = {
     "downscale_delay_s": float,
     "ingress_replicas": int,
     "max_migrations": int,
+    "prefill_wait_s": float,
     "health_check_period_s": float,
     "health_stall_s": float,
     "drain_timeout_s": float,

@@ -204,14 +204,24 @@ class ClusterBackend:
 
     async def _prefill(self, request: GenerateRequest, ids: list[int]) -> str | None:
         """Compute the prompt's blocks on a prefill replica and publish them; the worker's
-        name, or None on failure (the decode worker then computes the prompt itself)."""
+        name, or None when none took it within ``prefill_wait_s`` or it failed (the decode
+        worker then computes the prompt itself: a lost prefill replica costs time, never a
+        request, and requests do not queue behind its replacement's start)."""
         params = dataclasses.replace(request.params, max_tokens=1, stop=(), logprobs=None)
         work = self._worker_request(dataclasses.replace(request, params=params), ids, [])
+        stream = self.handles["prefill"].options(stream=True).generate.remote(work)
         try:
-            stream = self.handles["prefill"].options(stream=True).generate.remote(work)
+            # The replica's first (empty) delta says it took the prompt.
+            await asyncio.wait_for(anext(stream), self.config.prefill_wait_s)
             async for delta in stream:
                 if delta.output is not None:
                     return delta.worker
+        except TimeoutError:
+            stream.cancel()
+            logger.warning(
+                "no prefill replica took the prompt within %.1f s; decode computes it",
+                self.config.prefill_wait_s,
+            )
         except Exception as e:
             logger.warning("prefill failed (%s); decode computes the prompt", type(e).__name__)
         return None

@@ -57,6 +57,10 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "downscale-delay-s": {"type": float},
     "ingress-replicas": {"type": int},
     "max-migrations": {"type": int, "help": "moves of one request after worker losses"},
+    "prefill-wait-s": {
+        "type": float,
+        "help": "P/D: seconds a prompt waits for a prefill replica before decode computes it",
+    },
     "health-check-period-s": {"type": float},
     "health-stall-s": {"type": float},
     "drain-timeout-s": {"type": float},

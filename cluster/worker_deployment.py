@@ -125,6 +125,10 @@ class WorkerDeployment:
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         """Run one request; yields its deltas (the last one carries the whole output)."""
+        if self.role == "prefill":
+            # An empty first delta says this replica took the prompt: the ingress bounds only
+            # the wait for that (``prefill_wait_s``), never the prefill itself.
+            yield StreamDelta(request.request_id, worker=self.name)
         plan = request.plan
         if plan is not None and plan.wait_for is not None and self.index is not None:
             await self._wait_for_peer(request)

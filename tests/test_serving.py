@@ -9,7 +9,7 @@ from ray import serve
 from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.serve_app import deploy
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.serve_helpers import kill_worker, tiny_config, wait_for
+from tests.serve_helpers import kill_worker, running_replicas, tiny_config, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
@@ -113,8 +113,11 @@ def test_unknown_model_is_404(unified) -> None:
 
 
 def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, reference) -> None:
+    """P/D equals unified; while the only prefill replica is lost and its replacement starts,
+    prompts are computed by the decode worker at once instead of queueing for the new one;
+    once it runs, prefill moves back to it."""
     serve.shutdown()  # one app at a time on this small cluster
-    handle = deploy(tiny_config(prefill_workers=1, decode_workers=1))
+    handle = deploy(tiny_config(prefill_workers=1, decode_workers=1, prefill_wait_s=0.5))
     try:
         ids = list(range(3, 70))
         req = {"prompt": ids, "max_tokens": 8, "temperature": 0}
@@ -127,20 +130,25 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
         assert kv["pulled_tokens"] == (len(ids) - 1) // 4 * 4  # only the last block recomputed
 
         kill_worker(kv["prefill_worker"])
-        wait_for(
-            lambda: kv["prefill_worker"] not in handle.stats.remote().result()["workers"],
-            10,
-            "the prefill worker's purge",
-        )
+        # Serve has noticed the loss and starts a replacement: no prefill replica runs.
+        wait_for(lambda: running_replicas("prefill") == 0, 30, "the prefill replica's loss")
         ids2 = list(range(5, 60))
         out2 = handle.generate.remote({**req, "prompt": ids2}).result()
         want2 = reference.generate([ids2], SamplingParams(max_tokens=8, temperature=0))[0]
         assert out2["token_ids"] == want2.token_ids
         kv2 = out2["kvmesh"]
-        if "prefill_worker" in kv2:  # Serve already replaced the prefill replica
-            assert kv2["prefill_worker"] != kv["prefill_worker"]
-        else:  # the decode worker computed the prompt itself
-            assert kv2["computed_tokens"] == len(ids2)
+        assert "prefill_worker" not in kv2  # it did not wait for the replacement
+        assert kv2["computed_tokens"] == len(ids2)
+
+        wait_for(lambda: running_replicas("prefill") == 1, 60, "the replacement prefill replica")
+
+        def prefilled_again() -> str | None:
+            ids3 = list(range(7, 50))
+            out3 = handle.generate.remote({**req, "prompt": ids3}).result()
+            return out3["kvmesh"].get("prefill_worker")
+
+        again = wait_for(prefilled_again, 30, "a prefill on the replacement", every=0.5)
+        assert again != kv["prefill_worker"]
     finally:
         serve.shutdown()
 
