@@ -34,6 +34,7 @@ from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
+from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.worker_deployment import WorkerDeployment
 from kvmesh.workers.sampling_params import SamplingParams
 
@@ -106,6 +107,7 @@ class KvmeshServer:
     """The ingress: stateless, so it may have several replicas (``ingress_replicas``)."""
 
     def __init__(self, config: dict[str, Any], workers: dict[str, Any]) -> None:
+        log_like_serve()
         self.config = ServeConfig.from_dict(config)
         self.backend = ClusterBackend(self.config, workers)
         self.admission = Admission(self.config.admission_limit, self.config.retry_after_s)

@@ -26,6 +26,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.router import CostModel
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector import ClusterConnectorConfig
@@ -93,6 +94,7 @@ class WorkerDeployment:
     """The body of a worker replica; ``serve_app`` turns it into one deployment per role."""
 
     def __init__(self, config: dict[str, Any], role: str) -> None:
+        log_like_serve()
         self.config = ServeConfig.from_dict(config)
         ctx = serve.get_replica_context()
         self.role = role

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -41,6 +42,14 @@ def running_replicas(role: str = "worker") -> int:
     """How many of the role's replicas Serve reports RUNNING."""
     app = serve.status().applications[APP_NAME]
     return app.deployments[f"{WORKER_DEPLOYMENT_PREFIX}{role}"].replica_states.get("RUNNING", 0)
+
+
+def replica_log(deployment: str) -> str:
+    """Every Serve log line of ``deployment``'s replicas in this Ray session (its file per
+    replica under logs/serve/)."""
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    files = sorted(logs.glob(f"replica_{APP_NAME}_{deployment}_*.log"))
+    return "".join(f.read_text(errors="replace") for f in files)
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:

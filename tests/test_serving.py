@@ -9,7 +9,13 @@ from ray import serve
 from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.serve_app import deploy
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.serve_helpers import kill_worker, running_replicas, tiny_config, wait_for
+from tests.serve_helpers import (
+    kill_worker,
+    replica_log,
+    running_replicas,
+    tiny_config,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
@@ -139,6 +145,9 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
         kv2 = out2["kvmesh"]
         assert "prefill_worker" not in kv2  # it did not wait for the replacement
         assert kv2["computed_tokens"] == len(ids2)
+        # The ingress says so where an operator reads Serve's logs, with the request's id.
+        line = [ln for ln in replica_log("KvmeshServer").splitlines() if "decode computes" in ln]
+        assert line and "WARNING" in line[-1], replica_log("KvmeshServer")[-2000:]
 
         wait_for(lambda: running_replicas("prefill") == 1, 60, "the replacement prefill replica")
 
