@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import openai
 import pytest
+import ray
 from ray import serve
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.cluster.serve_app import deploy
+from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
+from kvmesh.cluster.worker_request import WorkerRequest
+from kvmesh.connector.index_actor import get_index_actor
+from kvmesh.workers.block_hash import block_hashes
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import (
     kill_worker,
@@ -92,6 +96,29 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
         assert tok in entry and 2 <= len(entry) <= 3
     streamed = handle.options(stream=True).generate.remote({**req, "logprobs": 2, "stream": True})
     assert [e for c in streamed for e in c.get("logprobs", [])] == lps
+
+
+def test_a_worker_files_kv_under_its_own_tokens_not_a_sent_chain(unified) -> None:
+    """A ``WorkerRequest``'s chain is the router's hint only: the worker hashes the tokens it
+    computed, so a wrong or forged chain files no KV under another prompt's hashes."""
+    worker = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", app_name=APP_NAME)
+    info = worker.worker_info.remote().result()
+    real, other = list(range(100, 140)), list(range(200, 240))
+    forged = block_hashes(other, 4, info["namespace"])
+    work = WorkerRequest(
+        "forged-chain",
+        real,
+        SamplingParams(max_tokens=2, temperature=0),
+        chain=forged,
+        fingerprint=info["fingerprint"],
+    )
+    deltas = list(worker.options(stream=True).generate.remote(work))
+    assert deltas[-1].output is not None
+    index = get_index_actor(info["fingerprint"])
+    real_hashes = block_hashes(real, 4, info["namespace"])
+    held = wait_for(lambda: ray.get(index.lookup.remote(real_hashes)), 10, "the prompt's blocks")
+    assert max(held.values()) == len(real) // 4
+    assert not ray.get(index.lookup.remote(forged))
 
 
 @pytest.mark.parametrize(
