@@ -23,10 +23,25 @@ from kvmesh.connector.events import require_block_hashes
 
 # How long a pending entry lives unless dropped or stored first (an ingress may die holding it).
 DEFAULT_PENDING_TTL_S = 120.0
+# Any Ray caller can add entries (routers hold no worker token), so what they cost is bounded:
+# an entry lives at most MAX_PENDING_TTL_S, and past MAX_PENDING_ENTRIES live entries or
+# MAX_PENDING_HASHES hashes in them a new entry drops those that expire first. A flood costs
+# routing hints, never the index's memory, and a lookup's pass over the entries (summary)
+# stays short. A live entry stands for a routed request that has not started: thousands
+# per cluster, not tens of thousands.
+MAX_PENDING_TTL_S = DEFAULT_PENDING_TTL_S
+MAX_PENDING_ENTRIES = 16_384
+MAX_PENDING_HASHES = 1 << 20
 # How long an ended pending entry still counts as a race: longer than a router's lookup and
 # claim take (two index calls), short enough to keep the record small.
 RACE_WINDOW_S = 10.0
-COUNTERS = ("pending_added", "pending_stored", "pending_expired", "pending_raced")
+COUNTERS = (
+    "pending_added",
+    "pending_stored",
+    "pending_expired",
+    "pending_raced",
+    "pending_evicted",
+)
 
 
 @dataclass(slots=True)
@@ -40,13 +55,22 @@ class _PendingEntry:
 class PendingEntries:
     """Every worker's pending entries, their expiry and the ones ended lately.
 
-    Contracts: an entry lives until :meth:`drop`, its ``ttl_s`` (on ``clock``), :meth:`stored`
-    of its last hash by its worker, or :meth:`drop_worker`. Ids are never reused; ``last_id``
-    is the newest, a version of the whole set that routers quote back as ``seen``.
+    Contracts: an entry lives until :meth:`drop`, its ``ttl_s`` (on ``clock``; at most
+    ``MAX_PENDING_TTL_S``), :meth:`stored` of its last hash by its worker, :meth:`drop_worker`,
+    or a newer entry past ``max_entries`` / ``max_hashes`` (the one expiring first goes). Ids
+    are never reused; ``last_id`` is the newest, a version of the whole set that routers quote
+    back as ``seen``.
     """
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        max_entries: int = MAX_PENDING_ENTRIES,
+        max_hashes: int = MAX_PENDING_HASHES,
+    ) -> None:
         self._clock = clock
+        self.max_entries, self.max_hashes = max_entries, max_hashes
+        self._num_hashes = 0  # in live entries
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._pending: dict[str, dict[int, _PendingEntry]] = {}  # worker -> its entries, FIFO
         self._pending_last: dict[str, dict[bytes, set[int]]] = {}  # worker -> last hash -> ids
@@ -87,15 +111,25 @@ class PendingEntries:
         require_block_hashes(chain, "pending")
         if type(tokens) is not int or tokens < 0:
             raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
-        if not isinstance(ttl_s, int | float) or not ttl_s > 0:
-            raise ValueError(f"ttl_s must be a positive number, got {ttl_s!r}")
+        if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= MAX_PENDING_TTL_S:
+            raise ValueError(f"ttl_s must be in (0, {MAX_PENDING_TTL_S:g}] s, got {ttl_s!r}")
+        if len(chain) > self.max_hashes:
+            raise ValueError(f"pending: at most {self.max_hashes} hashes, got {len(chain)}")
         self.expire()
         if seen is not None and chain and self._raced(worker_id, chain[0], seen):
             self.counts["pending_raced"] += 1
             return None
+        while (
+            len(self._pending_owner) >= self.max_entries
+            or self._num_hashes + len(chain) > self.max_hashes
+        ):
+            _, oldest = heapq.heappop(self._expiry)  # items of dropped entries are skipped
+            if self.drop(oldest):
+                self.counts["pending_evicted"] += 1
         pending_id = next(self._pending_ids)
         self.last_id = pending_id
         entry = _PendingEntry(worker_id, chain, tokens, self._clock() + ttl_s)
+        self._num_hashes += len(chain)
         self._pending.setdefault(worker_id, {})[pending_id] = entry
         self._pending_owner[pending_id] = worker_id
         if chain:
@@ -128,6 +162,7 @@ class PendingEntries:
             return False
         mine = self._pending[worker_id]
         entry = mine.pop(pending_id)
+        self._num_hashes -= len(entry.hashes)
         if not mine:
             del self._pending[worker_id]
         if entry.hashes:
@@ -238,6 +273,9 @@ class PendingEntries:
         }
         assert lasts == want, "pending last-hash map is stale"
         assert set(owners) <= {i for _, i in self._expiry}, "a pending entry never expires"
+        hashes = sum(len(e.hashes) for es in self._pending.values() for e in es.values())
+        assert hashes == self._num_hashes, "the live entries' hash count is stale"
+        assert len(owners) <= self.max_entries and hashes <= self.max_hashes, "over budget"
 
 
 def common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.connector.events import Stored
-from kvmesh.connector.pending_entries import RACE_WINDOW_S
+from kvmesh.connector.pending_entries import MAX_PENDING_TTL_S, RACE_WINDOW_S, PendingEntries
 from tests.kv_index_helpers import BASE, FORK4, FORK8, FP, Index, batch, chain, index_with
 
 
@@ -148,3 +148,38 @@ def test_pending_dropped_when_its_worker_is_purged() -> None:
     ghost = idx.add_pending("ghost", BASE, 1)  # never registered: a purge still drops it
     assert not idx.purge("ghost") and ghost not in idx.pending()
     idx.check_integrity()
+
+
+@pytest.mark.parametrize("ttl_s", [MAX_PENDING_TTL_S * 2, float("inf"), 1e9, 0, -1])
+def test_a_pending_entry_lives_at_most_the_cap(ttl_s: float) -> None:
+    """Any Ray caller can add pending entries: one that would outlive MAX_PENDING_TTL_S (and
+    make routers send a prompt's followers to wait on a worker that never computes it) is
+    refused."""
+    idx = index_with(a=BASE[:1])
+    with pytest.raises(ValueError, match="ttl_s"):
+        idx.add_pending("a", BASE, 10, ttl_s=ttl_s)
+    assert idx.add_pending("a", BASE, 10, ttl_s=MAX_PENDING_TTL_S) is not None
+
+
+def test_a_flood_of_pending_entries_stays_within_its_budget() -> None:
+    """Past ``max_entries`` live entries, or ``max_hashes`` hashes in them, a new entry drops
+    the ones that expire first (counted), so a caller flooding the index costs routing hints,
+    never unbounded memory or lookups."""
+    clock = FakeClock()
+    pending = PendingEntries(clock, max_entries=3, max_hashes=12)
+    ids = []
+    for i in range(5):
+        clock.now += 1
+        ids.append(pending.add(f"w{i}", FORK4[:2], 10, ttl_s=60))
+        pending.check_integrity()
+    assert len(pending) == 3 and pending.counts["pending_evicted"] == 2
+    assert pending.depth("w0", FORK4) == 0 and pending.depth("w4", FORK4) == 2
+    # 3 entries of 2 hashes + one of 8 is over 12 hashes: the oldest goes (4 + 8 fit).
+    pending.add("big", BASE[:8], 10, ttl_s=60)
+    pending.check_integrity()
+    assert len(pending) == 3 and pending.counts["pending_evicted"] == 3
+    assert pending.depth("w2", FORK4) == 0 and pending.depth("w3", FORK4) == 2
+    assert pending.depth("big", BASE) == 8
+    with pytest.raises(ValueError, match="at most 12 hashes"):
+        pending.add("huge", chain(b"huge", 13), 10)
+    pending.check_integrity()
