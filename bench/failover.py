@@ -23,8 +23,10 @@ import asyncio
 import dataclasses
 import json
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -32,7 +34,10 @@ from ray import serve
 
 from cluster import conversation_turns
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
+from kvmesh.cluster.serve_app import APP_NAME, deploy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests/
+from tests.serve_helpers import replica_actor, running_replicas
 
 REPLACE_LIMIT_S = 180.0
 SYSTEM = (
@@ -67,11 +72,6 @@ async def workload(handle: Any, convs: list[list[str]], max_tokens: int) -> tupl
     return results, time.perf_counter() - start
 
 
-def worker_replicas(role: str) -> int:
-    app = serve.status().applications[APP_NAME]
-    return app.deployments[f"{WORKER_DEPLOYMENT_PREFIX}{role}"].replica_states.get("RUNNING", 0)
-
-
 def killer(
     handle: Any, every_s: float, role: str, workers: int, stop: threading.Event, log: list
 ) -> None:
@@ -83,11 +83,9 @@ def killer(
         if not loads:
             continue
         victim = max(loads, key=lambda w: (loads[w]["running"] + loads[w]["waiting"], w))
-        role, replica_id = victim.split("-", 1)
-        name = f"SERVE_REPLICA::{APP_NAME}#{WORKER_DEPLOYMENT_PREFIX}{role}#{replica_id}"
-        count = worker_replicas(role)  # the role's replicas before the kill
+        count = running_replicas(role)  # the role's replicas before the kill
         try:
-            ray.kill(ray.get_actor(name, namespace="serve"))
+            ray.kill(replica_actor(victim))
         except ValueError:
             continue
         killed = time.monotonic()
@@ -96,7 +94,7 @@ def killer(
         # Until replaced, even after the workload ended (bounded): replace_s is the figure.
         while time.monotonic() - killed < REPLACE_LIMIT_S:
             live = handle.stats.remote().result()["workers"]
-            if victim not in live and len(live) == workers and worker_replicas(role) == count:
+            if victim not in live and len(live) == workers and running_replicas(role) == count:
                 entry["replace_s"] = round(time.monotonic() - killed, 2)
                 break
             time.sleep(0.25)
