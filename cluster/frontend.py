@@ -22,10 +22,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import random
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.config import ServeConfig
@@ -142,6 +144,7 @@ class ClusterBackend:
         migrations = 0
         while True:
             work = self._worker_request(request, ids, generated)
+            own_call_id()
             stream = self.handles[self.role].options(stream=True).generate.remote(work)
             try:
                 async for delta in stream:
@@ -209,6 +212,7 @@ class ClusterBackend:
         request, and requests do not queue behind its replacement's start)."""
         params = dataclasses.replace(request.params, max_tokens=1, stop=(), logprobs=None)
         work = self._worker_request(dataclasses.replace(request, params=params), ids, [])
+        own_call_id()
         stream = self.handles["prefill"].options(stream=True).generate.remote(work)
         try:
             # The replica's first (empty) delta says it took the prompt.
@@ -269,6 +273,20 @@ class ClusterBackend:
 
     def shutdown(self) -> None:
         """Nothing to stop: Serve owns the workers."""
+
+
+def own_call_id() -> None:
+    """Give the next Serve handle call an id of its own.
+
+    Serve's router tracks a call it is placing by the caller's request context
+    (``internal_request_id``), which every call made while serving one HTTP request shares.
+    Calls placed at the same time to one deployment, such as the choices of an ``n > 1``
+    request, then collide: Ray 2.60's router keeps one of them and the others never reach a
+    replica (the request hangs). The logged ``request_id`` stays the HTTP request's.
+    """
+    ctx = serve_context._get_serve_request_context()
+    fresh = dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex)
+    serve_context._serve_request_context.set(fresh)
 
 
 async def _within(ref: Any) -> Any:

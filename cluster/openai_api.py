@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvmesh import __version__
 from kvmesh.cluster.admission import GENERATION_PATHS, Admission, AdmitRequests
 from kvmesh.cluster.api_error import ApiError, valid
-from kvmesh.cluster.backend import Backend, Chunk, GenerateRequest
+from kvmesh.cluster.backend import Backend, Chunk, Completion, GenerateRequest
 from kvmesh.cluster.http_errors import (
     OVERLOADED_STATUS,
     add_error_handlers,
@@ -132,9 +132,12 @@ def build_api(
         ids = await _in_thread(_chat_ids, backend, messages)
         params = body.sampling_params(len(ids), backend.max_model_len)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        req = GenerateRequest(rid, params, messages=messages, prompt_ids=ids)
-        shape = ResponseShape("chat", req.request_id, model_name, body.num_logprobs())
-        return await gen.run(request, req, shape, body.stream, body.include_usage)
+        reqs = [
+            GenerateRequest(choice_id(rid, i, body.n), p, messages=messages, prompt_ids=ids)
+            for i, p in enumerate(body.per_choice(params))
+        ]
+        shape = ResponseShape("chat", rid, model_name, body.num_logprobs(), body.n)
+        return await gen.run(request, reqs, shape, body.stream, body.include_usage)
 
     @v1.post(
         "/completions",
@@ -148,12 +151,21 @@ def build_api(
     ) -> Response:
         """Text completion (OpenAI's legacy endpoint), streamed with `stream`."""
         body.check(model_name)
-        prompt = body.single_prompt()
-        ids = await _in_thread(valid, lambda: backend.tokenize(prompt))
-        params = body.sampling_params(len(ids), backend.max_model_len)
-        req = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", params, prompt=prompt, prompt_ids=ids)
-        shape = ResponseShape("text", req.request_id, model_name, body.num_logprobs())
-        return await gen.run(request, req, shape, body.stream, body.include_usage)
+        prompts = body.prompts()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        reqs = []
+        for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
+            ids = await _in_thread(valid, lambda p=prompt: backend.tokenize(p))
+            params = body.sampling_params(len(ids), backend.max_model_len)
+            choices = len(prompts) * body.n
+            reqs += [
+                GenerateRequest(
+                    choice_id(rid, len(reqs) + i, choices), p, prompt=prompt, prompt_ids=ids
+                )
+                for i, p in enumerate(body.per_choice(params))
+            ]
+        shape = ResponseShape("text", rid, model_name, body.num_logprobs(), body.n)
+        return await gen.run(request, reqs, shape, body.stream, body.include_usage)
 
     @v1.get(
         "/models",
@@ -211,7 +223,8 @@ def _json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
 
 
 class _Generation:
-    """Runs a validated request on the backend and answers, as JSON or as a stream."""
+    """Runs a validated request's choices on the backend (one backend request each) and
+    answers, as JSON or as one stream that interleaves the choices' chunks."""
 
     def __init__(self, backend: Backend, metrics: ServeMetrics) -> None:
         self.backend, self.metrics = backend, metrics
@@ -219,72 +232,142 @@ class _Generation:
     async def run(
         self,
         request: Request,
-        req: GenerateRequest,
+        reqs: list[GenerateRequest],
         shape: ResponseShape,
         stream: bool,
         include_usage: bool,
     ) -> Response:
         received = getattr(request.state, "received", time.perf_counter())
         if not stream:
-            completion = await _until_disconnect(request, self.backend.generate(req))
-            ttft = time.perf_counter() - received - completion.decode_s
-            self.metrics.observe_completion(completion, ttft)
-            return JSONResponse(shape.response(completion, self.backend))
-        chunks = self.backend.stream(req)
-        # Headers wait for the first chunk: admission errors are still a 4xx, and a client
-        # that leaves while its request is queued cancels it.
-        first = await _until_disconnect(request, chunks.__anext__())
-        events = self._events(first, chunks, shape, include_usage, time.perf_counter() - received)
+            completions = await _until_disconnect(
+                request, _all([self.backend.generate(r) for r in reqs])
+            )
+            for c in completions:
+                self.metrics.observe_completion(c, time.perf_counter() - received - c.decode_s)
+            return JSONResponse(shape.response(completions, self.backend))
+        streams = [self.backend.stream(r) for r in reqs]
+        try:
+            # Headers wait for every choice's first chunk: admission errors are still a 4xx,
+            # and a client that leaves while its request is queued cancels it.
+            firsts = await _until_disconnect(request, _all([s.__anext__() for s in streams]))
+        except BaseException:
+            await _aclose_all(streams)
+            raise
+        chunks = _interleaved(firsts, streams)
+        events = self._events(chunks, streams, shape, include_usage, time.perf_counter() - received)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
     async def _events(
         self,
-        first: Chunk,
-        chunks: AsyncIterator[Chunk],
+        chunks: AsyncGenerator[tuple[int, Chunk], None],
+        streams: list[AsyncIterator[Chunk]],
         shape: ResponseShape,
         include_usage: bool,
         ttft_s: float,
     ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}  # OpenAI: null until the last
-        chunk, last = first, time.perf_counter()
+        now = time.perf_counter()
+        last = [now] * len(streams)
         # Tokens whose text is held back (a partial character, a possible stop string) send
-        # no chunk: their logprobs ride with the next chunk that has text.
-        lp_ids: list[int] = []
-        lp_entries: list[dict[int, float]] = []
+        # no chunk: their logprobs ride with the choice's next chunk that has text.
+        lp_ids: list[list[int]] = [[] for _ in streams]
+        lp_entries: list[list[dict[int, float]]] = [[] for _ in streams]
+        completions: list[Completion | None] = [None] * len(streams)
+        first = [True] * len(streams)
         try:
             if shape.kind == "chat":
-                yield _sse(shape.chunk("", role=True) | extra)
-            while True:
+                for i in range(len(streams)):
+                    yield _sse(shape.chunk("", index=i, role=True) | extra)
+            async for i, chunk in chunks:
+                if first[i]:
+                    first[i] = False
+                else:
+                    now = time.perf_counter()
+                    self.metrics.observe_inter_token(now - last[i], len(chunk.token_ids))
+                    last[i] = now
                 if chunk.logprobs is not None:
-                    lp_ids += chunk.token_ids
-                    lp_entries += chunk.logprobs
+                    lp_ids[i] += chunk.token_ids
+                    lp_entries[i] += chunk.logprobs
                 if chunk.text or chunk.finish_reason is not None:
+                    logprobs = (lp_ids[i], lp_entries[i]) if lp_entries[i] else None
                     piece = shape.chunk(
                         chunk.text,
                         chunk.finish_reason,
+                        index=i,
                         completion=chunk.completion,
-                        logprobs=(lp_ids, lp_entries) if lp_entries else None,
-                        vocab=self.backend if lp_entries else None,
+                        logprobs=logprobs,
+                        vocab=self.backend if logprobs else None,
                     )
-                    lp_ids, lp_entries = [], []
+                    lp_ids[i], lp_entries[i] = [], []
                     yield _sse(piece | extra)
-                if chunk.finish_reason is not None:
-                    break
-                chunk = await chunks.__anext__()
-                now = time.perf_counter()
-                self.metrics.observe_inter_token(now - last, len(chunk.token_ids))
-                last = now
-            if chunk.completion is not None:
-                self.metrics.observe_completion(chunk.completion, ttft_s)
-                if include_usage:
-                    yield _sse(shape.usage_chunk(chunk.completion))
+                if chunk.completion is not None:
+                    completions[i] = chunk.completion
+                    self.metrics.observe_completion(chunk.completion, ttft_s)
+            done = [c for c in completions if c is not None]
+            if include_usage and len(done) == len(streams):
+                yield _sse(shape.usage_chunk(done))
         except Exception as e:  # headers are sent: the error goes in the stream
             yield _sse(as_api_error(e, f"stream {shape.id}").body)
         finally:
-            await _aclose(chunks)
+            await chunks.aclose()  # its pending reads first, then the streams
+            await _aclose_all(streams)
         yield "data: [DONE]\n\n"
+
+
+def choice_id(request_id: str, index: int, choices: int) -> str:
+    """The backend request id of choice ``index``: the response's own id when it is the
+    only choice."""
+    return request_id if choices == 1 else f"{request_id}-{index}"
+
+
+async def _all(aws: list[Awaitable[T]]) -> list[T]:
+    """Every result, in order. The first error (or a cancellation) cancels the rest, so no
+    choice runs on for a response that will not come."""
+    tasks = [asyncio.ensure_future(call_backend(a)) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they are over: a stream whose ``__anext__`` is still
+    running cannot be closed."""
+    tasks = [t for t in tasks if not t.done()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _interleaved(
+    firsts: list[Chunk], streams: list[AsyncIterator[Chunk]]
+) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """(choice, chunk) from every stream as each chunk comes, each stream's first chunk
+    (already awaited) first, until every stream has finished."""
+    for i, chunk in enumerate(firsts):
+        yield i, chunk
+    live = [i for i, c in enumerate(firsts) if c.finish_reason is None]
+    if len(streams) == 1:  # one choice: no task per chunk
+        while live:
+            chunk = await call_backend(streams[0].__anext__())
+            yield 0, chunk
+            if chunk.finish_reason is not None:
+                break
+        return
+    pending = {asyncio.ensure_future(call_backend(streams[i].__anext__())): i for i in live}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                chunk = task.result()
+                yield i, chunk
+                if chunk.finish_reason is None:
+                    pending[asyncio.ensure_future(call_backend(streams[i].__anext__()))] = i
+    finally:
+        await _cancel(pending)
 
 
 def _chat_ids(backend: Backend, messages: list[dict[str, str]]) -> list[int]:
@@ -321,10 +404,11 @@ async def _disconnected(request: Request) -> None:
         await asyncio.Event().wait()
 
 
-async def _aclose(it: AsyncIterator[Any]) -> None:
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        await aclose()
+async def _aclose_all(streams: list[AsyncIterator[Any]]) -> None:
+    for it in streams:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -36,6 +36,10 @@ from kvmesh.workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Choices in one response: OpenAI's cap on ``n``, and on prompts x n for a completion batch
+# (each choice is a request of its own on the workers; the admission limit counts HTTP
+# requests, so this bounds what one of them brings).
+MAX_CHOICES = 128
 
 
 class _Body(BaseModel):
@@ -136,7 +140,10 @@ class _GenerateBody(_Body):
     stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, _schema("integer", nullable=False, minimum=1, maximum=1)] = 1
+    n: Annotated[int, _schema("integer", nullable=False, minimum=1, maximum=MAX_CHOICES)] = Field(
+        1,
+        description="Choices per prompt; with a seed, choice i samples with seed + i.",
+    )
     ignore_eos: bool = Field(False, description="vLLM's extension: generate past EOS.")
     user: str | None = None  # accepted, unused
     presence_penalty: Penalty = Field(None, description=unsupported_doc("0", PENALTY_RANGE))
@@ -176,8 +183,8 @@ class _GenerateBody(_Body):
                 param="model",
                 code="model_not_found",
             )
-        if self.n != 1:
-            raise ApiError(400, f"n: only n=1 is supported, got {self.n}", param="n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ApiError(400, f"n: must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
         for name, unsupported in self.UNSUPPORTED.items():
             if not unsupported.is_off(getattr(self, name)):
                 raise unsupported.error(name)
@@ -218,6 +225,15 @@ class _GenerateBody(_Body):
                 param=field,
             )
         return params
+
+    def per_choice(self, params: SamplingParams) -> list[SamplingParams]:
+        """Each of the n choices' params. With a seed, choice i samples with seed + i (as
+        vLLM does; wrapped into the seed's range), so the choices differ and each is what a
+        request of its own with that seed gives."""
+        if params.seed is None:
+            return [params] * self.n
+        lo, span = _SP.SEED_MIN, _SP.SEED_MAX - _SP.SEED_MIN + 1
+        return [replace(params, seed=(params.seed + i - lo) % span + lo) for i in range(self.n)]
 
 
 class ChatCompletionRequest(_GenerateBody):
@@ -309,7 +325,7 @@ class CompletionRequest(_GenerateBody):
         "suffix": Unsupported("suffix (insertion)", '""', is_empty),
     }
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="Text or token ids; a batch must hold exactly one prompt."
+        description=f"Text or token ids, or a batch of either: prompts x n at most {MAX_CHOICES}."
     )
     logprobs: Annotated[int | None, _LOGPROBS] = None
     echo: Annotated[bool | None, only({"const": False})] = Field(
@@ -325,14 +341,19 @@ class CompletionRequest(_GenerateBody):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; a batch of one is unwrapped, more is a 400."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: a batch, or one prompt as a batch of one.
+        Their choices (n each) are at most MAX_CHOICES, else a 400."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise ApiError(400, "prompt: batches are not supported; send one", param="prompt")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+        batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        if len(batch) * self.n > MAX_CHOICES:
+            raise ApiError(
+                400,
+                f"prompt: {len(batch)} prompts with n={self.n} make {len(batch) * self.n} "
+                f"choices; at most {MAX_CHOICES}",
+                param="prompt",
+            )
+        return batch  # type: ignore[return-value]
 
 
 _FIELDS = frozenset(

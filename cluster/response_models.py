@@ -86,6 +86,9 @@ class ChatChoice(_Out):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str
+    kvmesh: KvmeshInfo | None = Field(
+        None, description="This choice's, when there are several (the top-level is choice 0's)."
+    )
 
 
 class ChatCompletionResponse(_Out):
@@ -120,7 +123,9 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    kvmesh: KvmeshInfo | None = Field(None, description="On the last chunk(s) only.")
+    kvmesh: KvmeshInfo | None = Field(
+        None, description="On each choice's last chunk (its own) and the usage chunk (choice 0's)."
+    )
 
 
 class CompletionChoice(_Out):
@@ -128,6 +133,9 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str
+    kvmesh: KvmeshInfo | None = Field(
+        None, description="This choice's, when there are several (the top-level is choice 0's)."
+    )
 
 
 class CompletionResponse(_Out):
@@ -157,7 +165,9 @@ class CompletionChunk(_Out):
     model: str
     choices: list[CompletionChunkChoice]
     usage: Usage | None = None
-    kvmesh: KvmeshInfo | None = Field(None, description="On the last chunk(s) only.")
+    kvmesh: KvmeshInfo | None = Field(
+        None, description="On each choice's last chunk (its own) and the usage chunk (choice 0's)."
+    )
 
 
 class ModelCard(_Out):

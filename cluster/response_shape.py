@@ -8,6 +8,7 @@ the tests check the two agree.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -29,19 +30,24 @@ class Vocab(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-def usage(c: Completion) -> dict[str, Any]:
-    prompt, completion = len(c.prompt_token_ids), len(c.token_ids)
+def usage(completions: Sequence[Completion], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of all the choices, ``n`` per prompt in prompt order: each prompt's
+    tokens once (as its first choice saw them, cache hits too), every choice's output."""
+    firsts = completions[::n]
+    prompt = sum(len(c.prompt_token_ids) for c in firsts)
+    completion = sum(len(c.token_ids) for c in completions)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
     }
 
 
 class ResponseShape:
     """Builds one endpoint's objects: ``chat`` (chat.completion / chat.completion.chunk) or
-    ``text`` (text_completion for both)."""
+    ``text`` (text_completion for both), for choices ``n`` per prompt (index
+    prompt * n + j, as OpenAI numbers them)."""
 
     def __init__(
         self,
@@ -49,30 +55,43 @@ class ResponseShape:
         request_id: str,
         model: str,
         logprobs: int | None = None,
+        n: int = 1,
     ) -> None:
-        self.kind, self.id, self.model = kind, request_id, model
+        self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.logprobs = logprobs  # top alternatives per token; None: no logprobs
-        self._offsets = _TextOffsets()  # completions' logprobs.text_offset, across chunks
-        self._text_len = 0  # characters of text streamed so far
+        # Per streamed choice: completions' logprobs.text_offset across chunks, and the
+        # characters of text streamed so far.
+        self._offsets: dict[int, _TextOffsets] = defaultdict(_TextOffsets)
+        self._text_len: dict[int, int] = defaultdict(int)
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, c: Completion, vocab: Vocab | None = None) -> dict[str, Any]:
-        """The non-streaming response; ``vocab`` names the tokens in its logprobs."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-        logprobs = self._logprobs(c.token_ids, c.logprobs, vocab, len(c.text))
-        choice |= {"logprobs": logprobs, "finish_reason": c.finish_reason}
+    def response(
+        self, completions: Sequence[Completion], vocab: Vocab | None = None
+    ) -> dict[str, Any]:
+        """The non-streaming response, a choice per completion in index order; ``vocab``
+        names the tokens in its logprobs. ``kvmesh`` is the first choice's; with several,
+        each choice has its own too."""
+        choices = []
+        for index, c in enumerate(completions):
+            choice: dict[str, Any] = {"index": index}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            offsets = _TextOffsets()
+            logprobs = self._logprobs(c.token_ids, c.logprobs, vocab, len(c.text), offsets)
+            choice |= {"logprobs": logprobs, "finish_reason": c.finish_reason}
+            if len(completions) > 1:
+                choice["kvmesh"] = c.kv.to_dict()
+            choices.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._head(obj) | {
-            "choices": [choice],
-            "usage": usage(c),
-            "kvmesh": c.kv.to_dict(),
+            "choices": choices,
+            "usage": usage(completions, self.n),
+            "kvmesh": completions[0].kv.to_dict(),
         }
 
     def _logprobs(
@@ -81,6 +100,7 @@ class ResponseShape:
         entries: list[dict[int, float]] | None,
         vocab: Vocab | None,
         text_len: int,
+        offsets: _TextOffsets,
     ) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these generated tokens: ``content`` items for chat;
         ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (counted from the
@@ -107,14 +127,14 @@ class ResponseShape:
                 item(t, lp) | {"top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in rows
             ]
             return {"content": content, "refusal": None}
-        offsets = self._offsets.add([t for t, _, _ in rows], vocab.decode)
+        starts = offsets.add([t for t, _, _ in rows], vocab.decode)
         return {
             "tokens": [text[t] for t, _, _ in rows],
             "token_logprobs": [lp for _, lp, _ in rows],
             # Two tokens can share a text (a "\ufffd" byte piece): the best one names it.
             "top_logprobs": [{text[a]: b for a, b in reversed(top)} for _, _, top in rows],
             # Tokens past a stop string have text the completion cut off: at its end.
-            "text_offset": [min(o, text_len) for o in offsets],
+            "text_offset": [min(o, text_len) for o in starts],
         }
 
     def chunk(
@@ -122,14 +142,16 @@ class ResponseShape:
         text: str,
         finish_reason: str | None = None,
         *,
+        index: int = 0,
         role: bool = False,
         completion: Completion | None = None,
         logprobs: tuple[list[int], list[dict[int, float]]] | None = None,
         vocab: Vocab | None = None,
     ) -> dict[str, Any]:
-        """A stream chunk; the last one (with ``completion``) also carries ``kvmesh``.
-        ``logprobs``: the chunk's tokens and their logprob entries, named by ``vocab``."""
-        choice: dict[str, Any] = {"index": 0}
+        """A stream chunk of choice ``index``; its last one (with ``completion``) also
+        carries ``kvmesh``. ``logprobs``: the chunk's tokens and their logprob entries, named
+        by ``vocab``."""
+        choice: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text or role:
@@ -137,20 +159,23 @@ class ResponseShape:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        self._text_len += len(text)
-        lp = self._logprobs(*logprobs, vocab, self._text_len) if logprobs is not None else None
+        self._text_len[index] += len(text)
+        lp = None
+        if logprobs is not None:
+            lp = self._logprobs(*logprobs, vocab, self._text_len[index], self._offsets[index])
         choice |= {"logprobs": lp, "finish_reason": finish_reason}
         out = self._head(self.chunk_object) | {"choices": [choice]}
         if completion is not None:
             out["kvmesh"] = completion.kv.to_dict()
         return out
 
-    def usage_chunk(self, c: Completion) -> dict[str, Any]:
-        """``stream_options.include_usage``: the extra last chunk, with no choices."""
+    def usage_chunk(self, completions: Sequence[Completion]) -> dict[str, Any]:
+        """``stream_options.include_usage``: the extra last chunk, with no choices; usage of
+        every choice, ``kvmesh`` the first choice's."""
         return self._head(self.chunk_object) | {
             "choices": [],
-            "usage": usage(c),
-            "kvmesh": c.kv.to_dict(),
+            "usage": usage(completions, self.n),
+            "kvmesh": completions[0].kv.to_dict(),
         }
 
     @property

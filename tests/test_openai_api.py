@@ -135,12 +135,10 @@ BAD_INPUT: dict[str, tuple[Any, ...]] = {  # case: ((path, body), param[, status
     "top_p 1.5": (chat(top_p=1.5), "top_p"),
     "top_k 0": (chat(top_k=0), "top_k"),
     "empty stop string": (chat(stop=[""]), "stop"),
-    "n=2": (chat(n=2), "n"),
     "messages too long": (chat(messages=[{"role": "user", "content": LONG}]), "messages"),
     "prompt too long": (complete(prompt=LONG), "prompt"),
     "empty prompt": (complete(prompt=""), "prompt"),
     "token id out of vocab": (complete(prompt=[1, 10**6]), "prompt"),
-    "batch of prompts": (complete(prompt=["a", "b"]), "prompt"),
     "streamed, max_tokens 0": (complete(stream=True, max_tokens=0), "max_tokens"),
     "top_logprobs without logprobs": (chat(top_logprobs=2), "top_logprobs"),
     "top_logprobs 21": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -231,9 +229,18 @@ def test_metrics(client: openai.OpenAI, server: tuple[int, Spy]) -> None:
     assert float(count[0].split()[-1]) >= 2
 
 
+# Choices: each is a request of its own in the engine; a client that leaves aborts them all.
+CHOICE_TOKENS = {1: MAX_LEN - 2, 3: 150}  # n -> max_tokens: all fit the pool at once
+
+
+@pytest.mark.parametrize("n", CHOICE_TOKENS)
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts(
-    server: tuple[int, Spy], backend: LocalBackend, monkeypatch: pytest.MonkeyPatch, stream: bool
+    server: tuple[int, Spy],
+    backend: LocalBackend,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+    n: int,
 ) -> None:
     engine = backend.worker.engine
     aborted: list[str] = []
@@ -249,17 +256,17 @@ def test_disconnect_aborts(
 
     monkeypatch.setattr(engine, "abort", spy_abort)
     monkeypatch.setattr(engine, "step", slow_step)
-    _, body = complete(max_tokens=MAX_LEN - 2, ignore_eos=True, stream=stream)
+    _, body = complete(max_tokens=CHOICE_TOKENS[n], ignore_eos=True, stream=stream, n=n)
     conn = http.client.HTTPConnection("127.0.0.1", server[0], timeout=30)
     conn.request("POST", COMPLETIONS, json.dumps(body), {"Content-Type": "application/json"})
     if stream:
         response = conn.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")
     else:
-        wait_until(lambda: backend.worker.occupancy()["running"] == 1, "the request to run")
+        wait_until(lambda: backend.worker.occupancy()["running"] == n, "the choices to run")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    wait_until(lambda: len(aborted) == 1, "the abort", timeout=5)
+    wait_until(lambda: len(aborted) == n, "the aborts", timeout=5)
     wait_until(lambda: not backend.worker.call(engine.request_ids), "the engine to drain")
 
 

@@ -59,6 +59,22 @@ def test_openai_chat_completions_and_stream(unified) -> None:
         model=config.model_name, prompt="Once upon", max_tokens=10, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in pieces if c.choices) == comp.choices[0].text
+    # Several choices through Serve: each is a request of its own on the workers, placed at
+    # the same time through one handle (before own_call_id, all but one hung in Serve's
+    # router: a timeout, not a hang, says so).
+    client = client.with_options(timeout=60, max_retries=0)
+    many = client.completions.create(
+        model=config.model_name, prompt=["Once upon", "Hello"], n=2, max_tokens=10, temperature=0
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices[:2]] == [comp.choices[0].text] * 2
+    streamed = client.chat.completions.create(
+        model=config.model_name, messages=messages, max_tokens=12, temperature=0, n=2, stream=True
+    )
+    texts = ["", ""]
+    for c in streamed:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert texts == [chat.choices[0].message.content] * 2
 
 
 def test_round_robin_second_request_pulls(unified) -> None:
