@@ -45,6 +45,8 @@ WORKER_DEPLOYMENT_PREFIX = "kvmesh-"
 # (/health, /metrics, /v1/models) need them under overload; Serve's proxy queues at most as
 # many again for a slot.
 INGRESS_SPARE_SLOTS = 256
+# Serve autoscaling: the window its ongoing-request average covers.
+LOOK_BACK_S = 15.0  # Serve wants more than its 10-s metrics push interval
 _SAMPLING_KEYS = (
     "max_tokens",
     "temperature",
@@ -213,6 +215,10 @@ def _worker_deployment(config: ServeConfig, role: str, count: int, most: int | N
             "target_ongoing_requests": config.target_ongoing_requests,
             "upscale_delay_s": 2.0,
             "downscale_delay_s": config.downscale_delay_s,
+            # Ongoing requests are averaged over this window (Serve's default: 30 s). A
+            # 30-s average would hold a burst's workers back for most of the burst, and keep
+            # them that long after it, whatever the two delays say.
+            "look_back_period_s": LOOK_BACK_S,
         }
     if config.router in routers:
         options["request_router_config"] = RequestRouterConfig(

@@ -11,8 +11,12 @@ import ray
 from ray import serve
 
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
+from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
 from tests.ports import free_port
+
+# The session's Serve keeps the HTTP port it started with (a later serve.start's
+# http_options are not applied): every app of the session serves on this one.
+SERVE_PORT = free_port()
 
 
 def tiny_config(**kw: Any) -> ServeConfig:
@@ -21,9 +25,22 @@ def tiny_config(**kw: Any) -> ServeConfig:
         "block_size": 4,
         "kv_cache_memory": "8MiB",
         "num_cpus_per_worker": 0.5,
-        "port": free_port(),
+        "port": SERVE_PORT,
     }
     return ServeConfig(**{**base, **kw})
+
+
+def redeploy(config: ServeConfig) -> Any:
+    """Replace the session's kvmesh app with ``config``'s; Serve's controller and proxy stay
+    up (stopping and starting them costs ~8 s here). Returns the new app's handle."""
+    undeploy()
+    return deploy(config)
+
+
+def undeploy() -> None:
+    """Delete the kvmesh app, if one runs: its replicas stop and give their CPUs back."""
+    if APP_NAME in serve.status().applications:
+        serve.delete(APP_NAME)
 
 
 def replica_actor(worker: str) -> Any:

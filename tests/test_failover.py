@@ -15,10 +15,18 @@ import pytest
 import ray
 from ray import serve
 
-from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
+from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
 from kvmesh.connector.index_actor import get_index_actor
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.serve_helpers import busy_worker, kill_worker, running_replicas, tiny_config, wait_for
+from tests.serve_helpers import (
+    busy_worker,
+    kill_worker,
+    redeploy,
+    running_replicas,
+    tiny_config,
+    undeploy,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 PROMPT = list(range(7, 90))
@@ -28,13 +36,12 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 @pytest.fixture(scope="module")
 def served():
-    serve.shutdown()
     config = tiny_config(workers=2, router="round_robin", health_check_period_s=0.5)
-    handle = deploy(config)
+    handle = redeploy(config)
     info = handle.stats.remote().result()
     assert len(info["workers"]) == 2
     yield handle, config
-    serve.shutdown()
+    undeploy()
 
 
 @pytest.fixture

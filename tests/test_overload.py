@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvmesh.cluster.admission import Admission
@@ -27,12 +26,11 @@ from kvmesh.cluster.http_errors import Overloaded
 from kvmesh.cluster.launch import add_serve_args, config_from_args
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
-from kvmesh.cluster.serve_app import deploy
 from kvmesh.cluster.worker_deployment import engine_config
 from tests.openai_helpers import MODEL, Spy, call
 from tests.openai_helpers import serve as serve_http
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.serve_helpers import tiny_config, wait_for
+from tests.serve_helpers import redeploy, tiny_config, undeploy, wait_for
 
 TIMEOUT_S = 120.0  # a client's socket timeout: an answer later than this is a hang
 _JSON = {"Content-Type": "application/json"}
@@ -237,12 +235,11 @@ def test_a_worker_deployment_that_failed_to_deploy_is_a_503(local_backend: Local
 def test_a_burst_far_above_the_limit_is_refused_fast_and_the_admitted_are_right() -> None:
     """1 worker running 2 sequences + 2 waiting = 4 admitted; 32 requests at once (half of
     them streams) over HTTP, then 16 through the handle."""
-    serve.shutdown()
     config = tiny_config(
         workers=1, max_num_seqs=2, max_queued_requests=2, retry_after_s=2.0, max_model_len=64
     )
     assert config.admission_limit == 4
-    handle = deploy(config)
+    handle = redeploy(config)
     port = config.port
     try:
         prompts = [[3 + i, 5 + i, 7 + i, 11 + i, 13] for i in range(8)]
@@ -301,7 +298,7 @@ def test_a_burst_far_above_the_limit_is_refused_fast_and_the_admitted_are_right(
         status, _, body = post(port, {**gen, "prompt": [5] * 8, "max_tokens": 57})
         assert status == 400 and "context of 64 tokens" in body["error"]["message"], body
     finally:
-        serve.shutdown()
+        undeploy()
 
 
 def test_threads_share_one_admission_exactly() -> None:

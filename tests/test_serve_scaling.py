@@ -8,13 +8,11 @@ import threading
 import time
 
 import pytest
-from ray import serve
 
-from kvmesh.cluster.serve_app import deploy
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.worker import Worker
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.serve_helpers import running_replicas, tiny_config, wait_for
+from tests.serve_helpers import redeploy, running_replicas, tiny_config, undeploy, wait_for
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
@@ -22,8 +20,7 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 def test_two_ingress_replicas_compute_a_shared_prefix_once() -> None:
     """8 prompts sharing a 512-token prefix, sent at once through 2 ingress replicas (each
     with its own router) to 3 workers: the prefix is computed once, the rest pulled or hit."""
-    serve.shutdown()
-    handle = deploy(tiny_config(workers=3, router="kv_aware", ingress_replicas=2))
+    handle = redeploy(tiny_config(workers=3, router="kv_aware", ingress_replicas=2))
     try:
         shared = [10 + (i * 7) % 300 for i in range(512)]  # 128 full blocks of 4
         prompts = [[*shared, 5 + i, 6 + i, 7 + i] for i in range(8)]
@@ -40,15 +37,14 @@ def test_two_ingress_replicas_compute_a_shared_prefix_once() -> None:
         expected = len(shared) + sum(len(p) - len(shared) for p in prompts)
         assert computed == expected, [o["kvmesh"] for o in outs]
     finally:
-        serve.shutdown()
+        undeploy()
 
 
 def test_workers_autoscale_up_under_load_and_back() -> None:
-    serve.shutdown()
     config = tiny_config(
         workers=1, max_workers=2, target_ongoing_requests=1.0, downscale_delay_s=2.0
     )
-    handle = deploy(config)
+    handle = redeploy(config)
     try:
         assert running_replicas() == 1
         stop = threading.Event()
@@ -70,7 +66,7 @@ def test_workers_autoscale_up_under_load_and_back() -> None:
                 t.join(timeout=60)
         wait_for(lambda: running_replicas() == 1, 90, "back to one replica", every=0.5)
     finally:
-        serve.shutdown()
+        undeploy()
 
 
 def test_a_wedged_step_thread_fails_the_health_check() -> None:

@@ -8,16 +8,18 @@ import ray
 from ray import serve
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
+from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import (
     kill_worker,
+    redeploy,
     replica_log,
     running_replicas,
     tiny_config,
+    undeploy,
     wait_for,
 )
 
@@ -28,10 +30,10 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 6
 @pytest.fixture(scope="module")
 def unified():
     config = tiny_config(workers=2, router="round_robin")
-    handle = deploy(config)
+    handle = redeploy(config)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none")
     yield handle, client, config
-    serve.shutdown()
+    undeploy()
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +167,8 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
     """P/D equals unified; while the only prefill replica is lost and its replacement starts,
     prompts are computed by the decode worker at once instead of queueing for the new one;
     once it runs, prefill moves back to it."""
-    serve.shutdown()  # one app at a time on this small cluster
-    handle = deploy(tiny_config(prefill_workers=1, decode_workers=1, prefill_wait_s=0.5))
+    # One app at a time on this small cluster.
+    handle = redeploy(tiny_config(prefill_workers=1, decode_workers=1, prefill_wait_s=0.5))
     try:
         ids = list(range(3, 70))
         req = {"prompt": ids, "max_tokens": 8, "temperature": 0}
@@ -202,15 +204,14 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
         again = wait_for(prefilled_again, 30, "a prefill on the replacement", every=0.5)
         assert again != kv["prefill_worker"]
     finally:
-        serve.shutdown()
+        undeploy()
 
 
 def test_kv_aware_burst_computes_a_shared_prefix_once(reference) -> None:
     """Six prompts sharing a 200-token prefix arrive together on three workers: the prefix
     is computed by one worker; the others wait for it and pull it (or hit it locally), and
     every answer equals a single engine's."""
-    serve.shutdown()
-    handle = deploy(tiny_config(workers=3, router="kv_aware"))
+    handle = redeploy(tiny_config(workers=3, router="kv_aware"))
     try:
         shared = list(range(100, 300))  # 50 full blocks of 4
         prompts = [[*shared, 7 + i, 9 + i, 11 + i] for i in range(6)]
@@ -226,4 +227,4 @@ def test_kv_aware_burst_computes_a_shared_prefix_once(reference) -> None:
         assert computed == len(shared) + sum(len(p) - len(shared) for p in prompts)
         assert len({o["kvmesh"]["worker"] for o in outs}) >= 2
     finally:
-        serve.shutdown()
+        undeploy()
