@@ -1,0 +1,216 @@
+"""Runs a validated request's choices on a ``Backend`` and answers: one JSON response, or
+one server-sent-event stream that interleaves the choices' chunks (``Generation``).
+
+Each choice is a backend request of its own. Whole responses await them together (``_all``:
+the first error cancels the rest); streams wait for every choice's first chunk before
+headers go out (so admission errors are still a 4xx), then merge the choices as their chunks
+come (``_interleaved``). A client that disconnects cancels every choice, which aborts them in
+the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvmesh.cluster.api_error import ApiError
+from kvmesh.cluster.backend import Backend, Chunk, Completion, GenerateRequest
+from kvmesh.cluster.http_errors import as_api_error, call_backend
+from kvmesh.cluster.metrics import ServeMetrics
+from kvmesh.cluster.response_shape import ResponseShape
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Generation:
+    """Runs a validated request's choices on the backend (one backend request each) and
+    answers, as JSON or as one stream that interleaves the choices' chunks."""
+
+    def __init__(self, backend: Backend, metrics: ServeMetrics) -> None:
+        self.backend, self.metrics = backend, metrics
+
+    async def run(
+        self,
+        request: Request,
+        reqs: list[GenerateRequest],
+        shape: ResponseShape,
+        stream: bool,
+        include_usage: bool,
+    ) -> Response:
+        received = getattr(request.state, "received", time.perf_counter())
+        if not stream:
+            completions = await _until_disconnect(
+                request, _all([self.backend.generate(r) for r in reqs])
+            )
+            for c in completions:
+                self.metrics.observe_completion(c, time.perf_counter() - received - c.decode_s)
+            return JSONResponse(shape.response(completions, self.backend))
+        streams = [self.backend.stream(r) for r in reqs]
+        try:
+            # Headers wait for every choice's first chunk: admission errors are still a 4xx,
+            # and a client that leaves while its request is queued cancels it.
+            firsts = await _until_disconnect(request, _all([s.__anext__() for s in streams]))
+        except BaseException:
+            await _aclose_all(streams)
+            raise
+        chunks = _interleaved(firsts, streams)
+        events = self._events(chunks, streams, shape, include_usage, time.perf_counter() - received)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def _events(
+        self,
+        chunks: AsyncGenerator[tuple[int, Chunk], None],
+        streams: list[AsyncIterator[Chunk]],
+        shape: ResponseShape,
+        include_usage: bool,
+        ttft_s: float,
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}  # OpenAI: null until the last
+        now = time.perf_counter()
+        last = [now] * len(streams)
+        # Tokens whose text is held back (a partial character, a possible stop string) send
+        # no chunk: their logprobs ride with the choice's next chunk that has text.
+        lp_ids: list[list[int]] = [[] for _ in streams]
+        lp_entries: list[list[dict[int, float]]] = [[] for _ in streams]
+        completions: list[Completion | None] = [None] * len(streams)
+        first = [True] * len(streams)
+        try:
+            if shape.kind == "chat":
+                for i in range(len(streams)):
+                    yield _sse(shape.chunk("", index=i, role=True) | extra)
+            async for i, chunk in chunks:
+                if first[i]:
+                    first[i] = False
+                else:
+                    now = time.perf_counter()
+                    self.metrics.observe_inter_token(now - last[i], len(chunk.token_ids))
+                    last[i] = now
+                if chunk.logprobs is not None:
+                    lp_ids[i] += chunk.token_ids
+                    lp_entries[i] += chunk.logprobs
+                if chunk.text or chunk.finish_reason is not None:
+                    logprobs = (lp_ids[i], lp_entries[i]) if lp_entries[i] else None
+                    piece = shape.chunk(
+                        chunk.text,
+                        chunk.finish_reason,
+                        index=i,
+                        completion=chunk.completion,
+                        logprobs=logprobs,
+                        vocab=self.backend if logprobs else None,
+                    )
+                    lp_ids[i], lp_entries[i] = [], []
+                    yield _sse(piece | extra)
+                if chunk.completion is not None:
+                    completions[i] = chunk.completion
+                    self.metrics.observe_completion(chunk.completion, ttft_s)
+            done = [c for c in completions if c is not None]
+            if include_usage and len(done) == len(streams):
+                yield _sse(shape.usage_chunk(done))
+        except Exception as e:  # headers are sent: the error goes in the stream
+            yield _sse(as_api_error(e, f"stream {shape.id}").body)
+        finally:
+            await chunks.aclose()  # its pending reads first, then the streams
+            await _aclose_all(streams)
+        yield "data: [DONE]\n\n"
+
+
+def choice_id(request_id: str, index: int, choices: int) -> str:
+    """The backend request id of choice ``index``: the response's own id when it is the
+    only choice."""
+    return request_id if choices == 1 else f"{request_id}-{index}"
+
+
+async def _all(aws: list[Awaitable[T]]) -> list[T]:
+    """Every result, in order. The first error (or a cancellation) cancels the rest, so no
+    choice runs on for a response that will not come."""
+    tasks = [asyncio.ensure_future(call_backend(a)) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they are over: a stream whose ``__anext__`` is still
+    running cannot be closed."""
+    tasks = [t for t in tasks if not t.done()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _interleaved(
+    firsts: list[Chunk], streams: list[AsyncIterator[Chunk]]
+) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """(choice, chunk) from every stream as each chunk comes, each stream's first chunk
+    (already awaited) first, until every stream has finished."""
+    for i, chunk in enumerate(firsts):
+        yield i, chunk
+    live = [i for i, c in enumerate(firsts) if c.finish_reason is None]
+    if len(streams) == 1:  # one choice: no task per chunk
+        while live:
+            chunk = await call_backend(streams[0].__anext__())
+            yield 0, chunk
+            if chunk.finish_reason is not None:
+                break
+        return
+    pending = {asyncio.ensure_future(call_backend(streams[i].__anext__())): i for i in live}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                chunk = task.result()
+                yield i, chunk
+                if chunk.finish_reason is None:
+                    pending[asyncio.ensure_future(call_backend(streams[i].__anext__()))] = i
+    finally:
+        await _cancel(pending)
+
+
+async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Await the backend, cancelling it (so the engine aborts the request) when the client
+    disconnects first. Starlette cancels nothing before a response starts, hence this."""
+    task = asyncio.ensure_future(call_backend(aw))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ApiError(499, "client disconnected")  # nobody reads it; for the logs/metrics
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client is gone. The body was read already, so the next ASGI message
+    is the disconnect (uvicorn and Ray Serve's proxy both block until then)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # a broken receive tells nothing: never cancel on it
+        logger.debug("receive failed while waiting for a disconnect", exc_info=True)
+        await asyncio.Event().wait()
+
+
+async def _aclose_all(streams: list[AsyncIterator[Any]]) -> None:
+    for it in streams:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
