@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.cluster.api_error import ApiError, error_body
 from kvmesh.cluster.backend import Unavailable
-from kvmesh.cluster.protocol import describe_errors
+from kvmesh.cluster.request_parsing import describe_errors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -51,7 +51,8 @@ from kvmesh.cluster.openapi_doc import (
     json_response,
     request_body,
 )
-from kvmesh.cluster.protocol import B, ChatCompletionRequest, CompletionRequest, parse_body
+from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.request_parsing import B, parse_body
 from kvmesh.cluster.response_shape import ResponseShape
 
 logger = logging.getLogger(__name__)

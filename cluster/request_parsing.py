@@ -1,0 +1,79 @@
+"""Request bodies parsed into the OpenAI request models (``protocol.py``), and pydantic's
+(or FastAPI's) validation errors told as OpenAI's 400: a message and the ``param`` it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from kvmesh.cluster.api_error import ApiError
+from kvmesh.cluster.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ResponseFormat,
+    StreamOptions,
+    TextPart,
+)
+
+_FIELDS = frozenset(
+    name
+    for model in (
+        ChatCompletionRequest,
+        CompletionRequest,
+        ChatMessage,
+        TextPart,
+        StreamOptions,
+        ResponseFormat,
+    )
+    for name in model.model_fields
+)
+
+
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
+
+
+def parse_body(raw: bytes, model: type[B]) -> B:
+    """``model`` from a JSON body; ApiError 400 naming the field when it does not parse."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        message, param = describe_errors(e.errors(include_url=False))
+        raise ApiError(400, message, param=param) from None
+
+
+_LOCATIONS = ("query", "path", "header", "cookie")
+
+
+def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic (or FastAPI request) validation error, param
+    like ``messages[0].content``.
+
+    pydantic's ``loc`` also holds union member tags (``str``, ``list[int]``): the path stops
+    at the first part that is neither a field name nor an index. FastAPI's start with where
+    the value was (``body``, ``query``, ...).
+    """
+    if not errors:
+        return "request body: invalid", None
+    err = errors[0]
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {err.get('msg', '')}", None
+    if loc and loc[0] in _LOCATIONS and len(loc) > 1:
+        return f"{loc[1]}: {err.get('msg', 'invalid')}", str(loc[1])
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELDS:
+            param += f".{part}" if param else part
+        else:
+            break
+    if not param:
+        return f"request body: {err.get('msg', 'invalid')}", None
+    return f"{param}: {err.get('msg', 'invalid')}", param
