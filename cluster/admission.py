@@ -1,33 +1,40 @@
-"""Admission: a bound on the generation requests one ingress replica holds at once.
+"""Admission: a bound on the sequences (choices) one ingress replica holds at once.
 
-A request is admitted when it arrives (before its body is read or parsed) and holds its
-place until its answer is sent in full (the last event of a stream) or its client left.
-Past the limit it is refused at once, a 429 with ``Retry-After`` and OpenAI's error body
-(``Overloaded``): it never waits in a queue nobody bounds, and what was admitted keeps a
-latency bounded by what the workers run at once plus ``max_queued_requests`` waiting
-(``ServeConfig.admission_limit``).
+A request is admitted when it arrives (before its body is read or parsed) with one place,
+and holds its places until its answer is sent in full (the last event of a stream) or its
+client left. Once parsed, a request of several choices (``n``, a batch of prompts) takes a
+place for each (``Admitted.hold``), as each is a sequence the workers run: so the bound is
+on what the workers will hold, whatever the requests' shapes. Past the limit a request is
+refused at once, a 429 with ``Retry-After`` and OpenAI's error body (``Overloaded``): it
+never waits in a queue nobody bounds, and what was admitted keeps a latency bounded by what
+the workers run at once plus ``max_queued_requests`` waiting
+(``ServeConfig.admission_limit``). A request of more choices than the whole limit is
+admitted only while it is alone, so it can run at all.
 
 Both entry points share one ``Admission``: the HTTP routes through ``AdmitRequests`` (ASGI
-middleware) and the Python handle through ``KvmeshServer``.
+middleware, which leaves the request's ``Admitted`` in its scope for the route) and the
+Python handle (one choice per call) through ``KvmeshServer``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, MutableMapping
 from typing import Any
 
 from kvmesh.cluster.http_errors import DEFAULT_RETRY_AFTER_S, Overloaded, error_response
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+SCOPE_KEY = "kvmesh.admitted"  # the ASGI scope's entry for the request's ``Admitted``
 
 
 class Admission:
-    """At most ``limit`` requests admitted at once; ``None``: no limit.
+    """At most ``limit`` places (sequences) held at once; ``None``: no limit.
 
-    ``enter()`` admits a request or raises ``Overloaded``; every admitted request calls
-    ``leave()`` exactly once. Thread-safe: Serve may call the handle's methods and the ASGI
-    app from different threads.
+    ``enter()`` admits a request with one place or raises ``Overloaded``; ``grow`` gives an
+    admitted request more; every admitted request gives all its places back with one
+    ``leave(places)``. Thread-safe: Serve may call the handle's methods and the ASGI app
+    from different threads.
     """
 
     def __init__(self, limit: int | None, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
@@ -44,7 +51,7 @@ class Admission:
 
     @property
     def admitted(self) -> int:
-        """Requests admitted and not yet done."""
+        """Places held now: the sequences of the requests admitted and not yet done."""
         return self._admitted
 
     @property
@@ -64,17 +71,60 @@ class Admission:
             self.retry_after_s,
         )
 
-    def leave(self) -> None:
+    def grow(self, held: int, more: int) -> None:
+        """An admitted request that holds ``held`` places takes ``more``, or raises
+        ``Overloaded`` (and keeps what it held). Past the limit it still may when it is the
+        only request in (it holds every place taken): a request larger than the limit runs
+        alone instead of never."""
+        if more <= 0:
+            return
         with self._lock:
-            if self._admitted <= 0:
-                raise RuntimeError("Admission.leave() without a matching enter()")
-            self._admitted -= 1
+            alone = self._admitted == held
+            if self.limit is None or self._admitted + more <= self.limit or alone:
+                self._admitted += more
+                return
+            self._refused += 1
+            free = self.limit - self._admitted
+        raise Overloaded(
+            f"server overloaded: this request's {held + more} choices need {more} more "
+            f"places than the {max(free, 0)} free of the {self.limit} this server admits; "
+            f"retry after {self.retry_after_s:g} s",
+            self.retry_after_s,
+        )
+
+    def leave(self, places: int = 1) -> None:
+        with self._lock:
+            if not 0 < places <= self._admitted:
+                raise RuntimeError("Admission.leave() gives back more than was entered")
+            self._admitted -= places
+
+
+class Admitted:
+    """One admitted request's places: one from ``enter()``, then one per choice."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission, self.places = admission, 1
+
+    def hold(self, choices: int) -> None:
+        """Hold a place for each of ``choices`` (a count, not an increment), or raise
+        ``Overloaded``."""
+        self.admission.grow(self.places, choices - self.places)
+        self.places = max(self.places, choices)
+
+
+def hold_places(scope: MutableMapping[str, Any], choices: int) -> None:
+    """The request in ``scope`` holds a place per choice (``Overloaded`` when they do not
+    fit); a no-op without admission."""
+    admitted = scope.get(SCOPE_KEY)
+    if admitted is not None:
+        admitted.hold(choices)
 
 
 class AdmitRequests:
     """ASGI middleware: ``admission`` for the generation routes (``paths``, POST); the rest
-    (health, metrics, models, the schema) pass untouched. The place is held while the inner
-    app runs, which for a stream is until its last event was sent or its client left."""
+    (health, metrics, models, the schema) pass untouched. The places are held while the inner
+    app runs, which for a stream is until its last event was sent or its client left; the
+    route finds the request's ``Admitted`` under ``SCOPE_KEY`` (see ``hold_places``)."""
 
     def __init__(
         self, app: Any, admission: Admission, paths: Collection[str] = GENERATION_PATHS
@@ -95,7 +145,8 @@ class AdmitRequests:
             # Refused before the body is read: the server drains or closes the connection.
             await error_response(e)(scope, receive, send)
             return
+        admitted = scope[SCOPE_KEY] = Admitted(self.admission)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.admission.leave()
+            self.admission.leave(admitted.places)

@@ -41,7 +41,7 @@ class ServeConfig:
     api_key: str | None = None
     max_request_bytes: int = 2 * 1024 * 1024  # larger HTTP bodies get a 413
     # Admission, per ingress replica: it holds at most its share of what the workers run at
-    # once (max_num_seqs each, at the most workers) plus this many requests waiting, and
+    # once (max_num_seqs each, at the most workers) plus this many sequences waiting, and
     # answers the rest 429 with Retry-After at once (``admission_limit``). The default, one
     # worker batch, lets a waiting request start within about one batch's time: admitted
     # latency stays bounded while a burst still queues instead of being refused.
@@ -193,8 +193,8 @@ class ServeConfig:
 
     @property
     def admission_limit(self) -> int:
-        """Generation requests one ingress replica admits at once (running and waiting): its
-        share of ``worker_capacity`` plus ``max_queued_requests``."""
+        """Sequences (one per choice of a request) one ingress replica admits at once, running
+        and waiting: its share of ``worker_capacity`` plus ``max_queued_requests``."""
         share = -(-self.worker_capacity // self.ingress_replicas)  # rounded up
         return share + self.max_queued_requests
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvmesh.cluster.admission import hold_places
 from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.backend import Backend, Chunk, Completion, GenerateRequest
 from kvmesh.cluster.http_errors import as_api_error, call_backend
@@ -46,6 +47,7 @@ class Generation:
         include_usage: bool,
     ) -> Response:
         received = getattr(request.state, "received", time.perf_counter())
+        hold_places(request.scope, len(reqs))  # admission counts sequences: one per choice
         if not stream:
             completions = await _until_disconnect(
                 request, _all([self.backend.generate(r) for r in reqs])

@@ -39,7 +39,8 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max-request-bytes": {"type": int, "help": "larger HTTP bodies get a 413"},
     "max-queued-requests": {
         "type": int,
-        "help": "per ingress replica, requests admitted beyond what the workers run at once; "
+        "help": "per ingress replica, sequences (one per choice) admitted beyond what the "
+        "workers run at once; "
         "the rest get a 429 with Retry-After (default 64)",
     },
     "retry-after-s": {"type": float, "help": "the Retry-After of a 429 (default 1)"},

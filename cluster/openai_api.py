@@ -54,6 +54,7 @@ from kvmesh.cluster.openapi_doc import (
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.request_parsing import B, parse_body
 from kvmesh.cluster.response_shape import ResponseShape
+from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,10 +129,8 @@ def build_api(
         ids = await _in_thread(_chat_ids, backend, messages)
         params = body.sampling_params(len(ids), backend.max_model_len)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        reqs = [
-            GenerateRequest(choice_id(rid, i, body.n), p, messages=messages, prompt_ids=ids)
-            for i, p in enumerate(body.per_choice(params))
-        ]
+        choices = body.per_choice(params)
+        reqs = _choice_requests(rid, 0, body.n, choices, messages=messages, prompt_ids=ids)
         shape = ResponseShape("chat", rid, model_name, body.num_logprobs(), body.n)
         return await gen.run(request, reqs, shape, body.stream, body.include_usage)
 
@@ -149,17 +148,12 @@ def build_api(
         body.check(model_name)
         prompts = body.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = []
+        reqs: list[GenerateRequest] = []
+        total = len(prompts) * body.n
         for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
             ids = await _in_thread(valid, lambda p=prompt: backend.tokenize(p))
-            params = body.sampling_params(len(ids), backend.max_model_len)
-            choices = len(prompts) * body.n
-            reqs += [
-                GenerateRequest(
-                    choice_id(rid, len(reqs) + i, choices), p, prompt=prompt, prompt_ids=ids
-                )
-                for i, p in enumerate(body.per_choice(params))
-            ]
+            choices = body.per_choice(body.sampling_params(len(ids), backend.max_model_len))
+            reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
         shape = ResponseShape("text", rid, model_name, body.num_logprobs(), body.n)
         return await gen.run(request, reqs, shape, body.stream, body.include_usage)
 
@@ -216,6 +210,17 @@ def _json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
         return await _in_thread(parse_body, await request.body(), model)
 
     return read
+
+
+def _choice_requests(
+    rid: str, first: int, total: int, choices: list[SamplingParams], **prompt: Any
+) -> list[GenerateRequest]:
+    """One backend request per choice of one prompt (``prompt``: its text or messages and
+    ids), numbered from ``first`` of the response's ``total`` choices."""
+    return [
+        GenerateRequest(choice_id(rid, first + i, total), params, **prompt)
+        for i, params in enumerate(choices)
+    ]
 
 
 def _chat_ids(backend: Backend, messages: list[dict[str, str]]) -> list[int]:

@@ -9,7 +9,7 @@ stateless ingress in front of them.
   ``deploy(config)`` runs it from Python and returns the ``DeploymentHandle``.
 
 Queues are bounded end to end. Each ingress replica admits at most
-``config.admission_limit`` generation requests at once (HTTP and handle alike); over HTTP the
+``config.admission_limit`` sequences at once, one per choice (HTTP and handle alike); over HTTP the
 rest get a 429 with ``Retry-After`` and OpenAI's error body, over the handle Serve's
 ``BackPressureError``. Behind it, Serve's ``max_queued_requests`` on each worker deployment
 (``admission_limit`` as well, a backstop; its ``BackPressureError`` is a 429 too) bounds what

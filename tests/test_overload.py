@@ -180,6 +180,52 @@ def test_a_full_server_answers_429_at_once_and_health_stays_open(
         assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
+def test_a_request_holds_a_place_per_choice() -> None:
+    admission = Admission(4)
+    admission.enter()
+    admission.grow(1, 2)  # a request of 3 choices
+    assert admission.admitted == 3
+    admission.enter()  # the last place
+    with pytest.raises(Overloaded, match="need 1 more places than the 0 free"):
+        admission.grow(1, 1)  # 2 choices: refused, and it keeps the one it held
+    assert (admission.admitted, admission.refused) == (4, 1)
+    admission.leave(3), admission.leave()
+    # More choices than the limit: only alone, so that it can run at all.
+    admission.enter()
+    admission.grow(1, 9)
+    assert admission.admitted == 10
+    with pytest.raises(Overloaded):
+        admission.enter()
+    admission.leave(10)
+    with pytest.raises(RuntimeError):
+        admission.leave()
+
+
+def test_http_admission_counts_choices(local_backend: LocalBackend) -> None:
+    """A stream holds one of 4 places: a request of 4 choices (n=2 over 2 prompts) does not
+    fit and is refused, one of 3 does; the places come back when they end."""
+    admission = Admission(4, retry_after_s=1.0)
+    app = build_api(local_backend, model_name=MODEL, admission=admission)
+    long = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+    short = {"model": MODEL, "max_tokens": 2, "ignore_eos": True}
+    with serve_http(app) as port:
+        with _open_stream(port, {**long, "stream": True}) as a:
+            assert a.status == 200 and admission.admitted == 1
+            a.readline()
+            status, headers, body = post(port, {**short, "prompt": [[1, 2], [3, 4]], "n": 2})
+            assert status == 429, body
+            check_refusal(headers, body, 1.0)
+            assert "4 choices" in body["error"]["message"], body
+            with _open_stream(port, {**long, "n": 3, "stream": True}) as b:
+                assert b.status == 200 and admission.admitted == 4
+                assert post(port, {**short, "prompt": [1]})[0] == 429  # full
+        wait_for(lambda: admission.admitted == 0, 30, "the places given back")
+        # Alone, a request larger than the limit runs.
+        status, _, body = post(port, {**short, "prompt": [1, 2], "n": 6})
+        assert status == 200 and len(body["choices"]) == 6, body
+        assert admission.admitted == 0 and admission.refused == 2
+
+
 def test_the_schema_declares_the_429_and_its_retry_after(local_backend: LocalBackend) -> None:
     with_admission = build_api(local_backend, model_name=MODEL, admission=Admission(4))
     paths = with_admission.openapi()["paths"]
