@@ -26,6 +26,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.body = status, error_body(message, type_, param, code)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray pickles what a handle call raises; the default rebuilds from ``args`` alone,
+        # which this __init__ (and a subclass's) does not take.
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
     @classmethod
     def bad_input(cls, e: ValueError, rename: dict[str, str] | None = None) -> ApiError:
         """A "field: why" ValueError -> 400 with param = field (renamed per ``rename``)."""
@@ -52,3 +57,10 @@ def error_body(
     code: str | None = None,
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _rebuilt(cls: type[ApiError], args: tuple[Any, ...], state: dict[str, Any]) -> ApiError:
+    e = cls.__new__(cls)
+    Exception.__init__(e, *args)
+    e.__dict__.update(state)
+    return e

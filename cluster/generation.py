@@ -11,6 +11,8 @@ the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -31,9 +33,19 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A request's choices as streams, each with its first chunk (already awaited)."""
+
+    firsts: list[Chunk]
+    streams: list[AsyncIterator[Chunk]]
+
+
 class Generation:
     """Runs a validated request's choices on the backend (one backend request each) and
-    answers, as JSON or as one stream that interleaves the choices' chunks."""
+    answers: ``answer`` gives OpenAI's response as a dict, ``open`` then ``chunks`` its
+    stream's chunks as dicts (choices interleaved); ``run`` answers over HTTP (JSON, or
+    server-sent events) with them. The Python handle uses them directly."""
 
     def __init__(self, backend: Backend, metrics: ServeMetrics) -> None:
         self.backend, self.metrics = backend, metrics
@@ -49,81 +61,119 @@ class Generation:
         received = getattr(request.state, "received", time.perf_counter())
         hold_places(request.scope, len(reqs))  # admission counts sequences: one per choice
         if not stream:
-            completions = await _until_disconnect(
-                request, _all([self.backend.generate(r) for r in reqs])
-            )
-            for c in completions:
-                self.metrics.observe_completion(c, time.perf_counter() - received - c.decode_s)
-            return JSONResponse(shape.response(completions, self.backend))
+            answer = await _until_disconnect(request, self.answer(reqs, shape, received))
+            return JSONResponse(answer)
+        # Headers wait for every choice's first chunk: admission errors are still a 4xx, and
+        # a client that leaves while its request is queued cancels it.
+        opened = await _until_disconnect(request, self.open(reqs))
+        return StreamingResponse(
+            _sse_events(self.chunks(opened, shape, include_usage, received), shape.id),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def answer(
+        self, reqs: list[GenerateRequest], shape: ResponseShape, received: float
+    ) -> dict[str, Any]:
+        """OpenAI's response for every choice (``received``: when the request came, on
+        ``time.perf_counter``'s clock, for the TTFT metric)."""
+        completions = await _all([self.backend.generate(r) for r in reqs])
+        for c in completions:
+            self.metrics.observe_completion(c, time.perf_counter() - received - c.decode_s)
+        return shape.response(completions, self.backend)
+
+    async def open(self, reqs: list[GenerateRequest]) -> Opened:
+        """Every choice's stream with its first chunk; an error here closes them all."""
         streams = [self.backend.stream(r) for r in reqs]
         try:
-            # Headers wait for every choice's first chunk: admission errors are still a 4xx,
-            # and a client that leaves while its request is queued cancels it.
-            firsts = await _until_disconnect(request, _all([s.__anext__() for s in streams]))
+            return Opened(await _all([s.__anext__() for s in streams]), streams)
         except BaseException:
             await _aclose_all(streams)
             raise
-        chunks = _interleaved(firsts, streams)
-        events = self._events(chunks, streams, shape, include_usage, time.perf_counter() - received)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
 
-    async def _events(
+    async def chunks(
+        self, opened: Opened, shape: ResponseShape, include_usage: bool, received: float
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """OpenAI's stream chunks for every opened choice, interleaved as they come; the
+        usage chunk last with ``include_usage``. Closing it aborts every choice."""
+        ttft_s = time.perf_counter() - received
+        interleaved = _interleaved(opened.firsts, opened.streams)
+        try:
+            pieces = self._pieces(interleaved, len(opened.streams), shape, include_usage, ttft_s)
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    yield piece
+        finally:
+            try:
+                await interleaved.aclose()  # its pending reads first, then the streams
+            finally:
+                await _aclose_all(opened.streams)
+
+    async def _pieces(
         self,
-        chunks: AsyncGenerator[tuple[int, Chunk], None],
-        streams: list[AsyncIterator[Chunk]],
+        chunks: AsyncIterator[tuple[int, Chunk]],
+        n: int,
         shape: ResponseShape,
         include_usage: bool,
         ttft_s: float,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The stream's chunks from ``n`` choices' interleaved engine chunks; each choice's
+        latencies go to the metrics as it comes."""
         extra = {"usage": None} if include_usage else {}  # OpenAI: null until the last
         now = time.perf_counter()
-        last = [now] * len(streams)
+        last = [now] * n
         # Tokens whose text is held back (a partial character, a possible stop string) send
         # no chunk: their logprobs ride with the choice's next chunk that has text.
-        lp_ids: list[list[int]] = [[] for _ in streams]
-        lp_entries: list[list[dict[int, float]]] = [[] for _ in streams]
-        completions: list[Completion | None] = [None] * len(streams)
-        first = [True] * len(streams)
-        try:
-            if shape.kind == "chat":
-                for i in range(len(streams)):
-                    yield _sse(shape.chunk("", index=i, role=True) | extra)
-            async for i, chunk in chunks:
-                if first[i]:
-                    first[i] = False
-                else:
-                    now = time.perf_counter()
-                    self.metrics.observe_inter_token(now - last[i], len(chunk.token_ids))
-                    last[i] = now
-                if chunk.logprobs is not None:
-                    lp_ids[i] += chunk.token_ids
-                    lp_entries[i] += chunk.logprobs
-                if chunk.text or chunk.finish_reason is not None:
-                    logprobs = (lp_ids[i], lp_entries[i]) if lp_entries[i] else None
-                    piece = shape.chunk(
-                        chunk.text,
-                        chunk.finish_reason,
-                        index=i,
-                        completion=chunk.completion,
-                        logprobs=logprobs,
-                        vocab=self.backend if logprobs else None,
-                    )
-                    lp_ids[i], lp_entries[i] = [], []
-                    yield _sse(piece | extra)
-                if chunk.completion is not None:
-                    completions[i] = chunk.completion
-                    self.metrics.observe_completion(chunk.completion, ttft_s)
-            done = [c for c in completions if c is not None]
-            if include_usage and len(done) == len(streams):
-                yield _sse(shape.usage_chunk(done))
-        except Exception as e:  # headers are sent: the error goes in the stream
-            yield _sse(as_api_error(e, f"stream {shape.id}").body)
-        finally:
-            await chunks.aclose()  # its pending reads first, then the streams
-            await _aclose_all(streams)
-        yield "data: [DONE]\n\n"
+        lp_ids: list[list[int]] = [[] for _ in range(n)]
+        lp_entries: list[list[dict[int, float]]] = [[] for _ in range(n)]
+        completions: list[Completion | None] = [None] * n
+        first = [True] * n
+        if shape.kind == "chat":
+            for i in range(n):
+                yield shape.chunk("", index=i, role=True) | extra
+        async for i, chunk in chunks:
+            if first[i]:
+                first[i] = False
+            else:
+                now = time.perf_counter()
+                self.metrics.observe_inter_token(now - last[i], len(chunk.token_ids))
+                last[i] = now
+            if chunk.logprobs is not None:
+                lp_ids[i] += chunk.token_ids
+                lp_entries[i] += chunk.logprobs
+            if chunk.text or chunk.finish_reason is not None:
+                logprobs = (lp_ids[i], lp_entries[i]) if lp_entries[i] else None
+                piece = shape.chunk(
+                    chunk.text,
+                    chunk.finish_reason,
+                    index=i,
+                    completion=chunk.completion,
+                    logprobs=logprobs,
+                    vocab=self.backend if logprobs else None,
+                )
+                lp_ids[i], lp_entries[i] = [], []
+                yield piece | extra
+            if chunk.completion is not None:
+                completions[i] = chunk.completion
+                self.metrics.observe_completion(chunk.completion, ttft_s)
+        done = [c for c in completions if c is not None]
+        if include_usage and len(done) == n:
+            yield shape.usage_chunk(done)
+
+
+async def _sse_events(
+    chunks: AsyncGenerator[dict[str, Any], None], request_id: str
+) -> AsyncIterator[str]:
+    """Server-sent events: each chunk, then ``[DONE]``. Headers are sent by now, so an error
+    goes in the stream as OpenAI's error body."""
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk)
+    except Exception as e:
+        yield _sse(as_api_error(e, f"stream {request_id}").body)
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
 
 
 def choice_id(request_id: str, index: int, choices: int) -> str:

@@ -6,11 +6,12 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``str
 
 Every request is validated in full (types, model, sampling fields, prompt length against the
 context) before the backend sees it, and bad input gets a 4xx with OpenAI's error body and
-the offending field in ``param``: never FastAPI's 422 body, never a 500. Running the
-request's choices and answering (JSON or a stream) is ``generation.py``.
+the offending field in ``param``: never FastAPI's 422 body, never a 500. A body becomes its
+choices' backend requests in ``openai_requests.py``; running them and answering (JSON or a
+stream) is ``generation.py``.
 
-With an ``Admission``, the generation routes admit a bounded number of requests at once and
-refuse the rest at once with a 429 and ``Retry-After`` (``admission.py``).
+With an ``Admission``, the generation routes admit a bounded number of sequences at once
+and refuse the rest at once with a 429 and ``Retry-After`` (``admission.py``).
 
 The event loop stays free for other requests: a body over ``max_request_bytes`` is refused
 (413) from its Content-Length or as soon as that many bytes came in, and parsing JSON,
@@ -20,30 +21,27 @@ details (``http_errors.py``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import anyio.to_thread
-import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from kvmesh import __version__
 from kvmesh.cluster.admission import GENERATION_PATHS, Admission, AdmitRequests
-from kvmesh.cluster.api_error import ApiError, valid
-from kvmesh.cluster.backend import Backend, GenerateRequest
-from kvmesh.cluster.generation import Generation, choice_id
+from kvmesh.cluster.api_error import ApiError
+from kvmesh.cluster.backend import Backend
+from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.http_errors import (
     OVERLOADED_STATUS,
     add_error_handlers,
 )
 from kvmesh.cluster.http_middleware import CountRequests, LimitBody
 from kvmesh.cluster.metrics import CONTENT_TYPE, ServeMetrics
+from kvmesh.cluster.openai_requests import chat_choices, completion_choices, in_thread
 from kvmesh.cluster.openapi_doc import (
     add_openapi,
     error_responses,
@@ -53,11 +51,8 @@ from kvmesh.cluster.openapi_doc import (
 )
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.request_parsing import B, parse_body
-from kvmesh.cluster.response_shape import ResponseShape
-from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 # Holds a full 128k-token context as text, as \u-escaped non-ASCII text or as token ids.
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
@@ -124,14 +119,7 @@ def build_api(
         body: Annotated[ChatCompletionRequest, Depends(_json_body(ChatCompletionRequest))],
     ) -> Response:
         """Chat completion (OpenAI's), streamed as server-sent events with `stream`."""
-        body.check(model_name)
-        messages = body.message_dicts()
-        ids = await _in_thread(_chat_ids, backend, messages)
-        params = body.sampling_params(len(ids), backend.max_model_len)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = body.per_choice(params)
-        reqs = _choice_requests(rid, 0, body.n, choices, messages=messages, prompt_ids=ids)
-        shape = ResponseShape("chat", rid, model_name, body.num_logprobs(), body.n)
+        reqs, shape = await chat_choices(backend, body, model_name)
         return await gen.run(request, reqs, shape, body.stream, body.include_usage)
 
     @v1.post(
@@ -145,16 +133,7 @@ def build_api(
         body: Annotated[CompletionRequest, Depends(_json_body(CompletionRequest))],
     ) -> Response:
         """Text completion (OpenAI's legacy endpoint), streamed with `stream`."""
-        body.check(model_name)
-        prompts = body.prompts()
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs: list[GenerateRequest] = []
-        total = len(prompts) * body.n
-        for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
-            ids = await _in_thread(valid, lambda p=prompt: backend.tokenize(p))
-            choices = body.per_choice(body.sampling_params(len(ids), backend.max_model_len))
-            reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
-        shape = ResponseShape("text", rid, model_name, body.num_logprobs(), body.n)
+        reqs, shape = await completion_choices(backend, body, model_name)
         return await gen.run(request, reqs, shape, body.stream, body.include_usage)
 
     @v1.get(
@@ -196,35 +175,11 @@ def build_api(
     return app
 
 
-async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread: CPU work (JSON, templates, tokenizers) must not
-    hold up the event loop, where /health and every stream run."""
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args))
-
-
 def _json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
     """A dependency: the request body parsed as ``model`` (in a thread; a 400 naming the
     field when it does not parse). The body is whole already: ``_LimitBody`` read it."""
 
     async def read(request: Request) -> B:
-        return await _in_thread(parse_body, await request.body(), model)
+        return await in_thread(parse_body, await request.body(), model)
 
     return read
-
-
-def _choice_requests(
-    rid: str, first: int, total: int, choices: list[SamplingParams], **prompt: Any
-) -> list[GenerateRequest]:
-    """One backend request per choice of one prompt (``prompt``: its text or messages and
-    ids), numbered from ``first`` of the response's ``total`` choices."""
-    return [
-        GenerateRequest(choice_id(rid, first + i, total), params, **prompt)
-        for i, params in enumerate(choices)
-    ]
-
-
-def _chat_ids(backend: Backend, messages: list[dict[str, str]]) -> list[int]:
-    try:
-        return valid(lambda: backend.tokenize_chat(messages))
-    except jinja2.TemplateError as e:  # templates that raise, e.g. on roles out of order
-        raise ApiError(400, f"messages: {e}", param="messages") from None

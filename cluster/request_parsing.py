@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -43,6 +44,18 @@ def parse_body(raw: bytes, model: type[B]) -> B:
     except ValidationError as e:
         message, param = describe_errors(e.errors(include_url=False))
         raise ApiError(400, message, param=param) from None
+
+
+def parse_dict(body: Any, model: type[B]) -> B:
+    """``model`` from a Python caller's body (the Serve handle): a dict of what the JSON body
+    would hold, checked exactly as that body is."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body: must be a dict, got {type(body).__name__}")
+    try:
+        raw = json.dumps(body, allow_nan=False)  # JSON has no NaN or infinity either
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"request body: not JSON: {e}") from None
+    return parse_body(raw.encode(), model)
 
 
 _LOCATIONS = ("query", "path", "header", "cookie")

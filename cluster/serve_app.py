@@ -2,9 +2,12 @@
 stateless ingress in front of them.
 
 - HTTP: the OpenAI routes of ``openai_api.build_api`` over ``ClusterBackend``.
-- Python: ``handle.generate.remote(request)`` where ``request`` is a dict like an OpenAI
-  body: ``prompt`` (text or token ids) or ``messages``, plus sampling fields. With
-  ``"stream": True`` in the request *and* ``handle.options(stream=True)`` it yields chunks.
+- Python: ``handle.chat.remote(body)`` and ``handle.completions.remote(body)`` take the HTTP
+  routes' JSON body as a dict and answer their JSON (``n``, prompt batches, logprobs, the
+  same checks); ``handle.generate.remote(request)`` is the plain form: one ``prompt`` (text
+  or token ids) or ``messages`` plus sampling fields, answered with text, token ids and
+  provenance. With ``"stream": True`` in the body *and* ``handle.options(stream=True)``
+  each yields chunks.
 - ``build_app(args)`` is the Serve ``import_path`` target (serveConfigV2, KubeRay), and
   ``deploy(config)`` runs it from Python and returns the ``DeploymentHandle``.
 
@@ -19,8 +22,10 @@ waits at a caller for a worker replica; in front of it, Serve's proxy queues at 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,8 +38,14 @@ from kvmesh.cluster.admission import Admission
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.frontend import ClusterBackend
+from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
+from kvmesh.cluster.metrics import ServeMetrics
+from kvmesh.cluster.openai_requests import chat_choices, completion_choices, in_thread
+from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.replica_logs import log_like_serve
+from kvmesh.cluster.request_parsing import B, parse_dict
+from kvmesh.cluster.response_shape import ResponseShape
 from kvmesh.cluster.worker_deployment import WorkerDeployment
 from kvmesh.workers.sampling_params import SamplingParams
 
@@ -113,19 +124,59 @@ class KvmeshServer:
         self.config = ServeConfig.from_dict(config)
         self.backend = ClusterBackend(self.config, workers)
         self.admission = Admission(self.config.admission_limit, self.config.retry_after_s)
+        self.metrics = ServeMetrics()  # its latency histograms count handle requests too
+        self.generation = Generation(self.backend, self.metrics)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from kvmesh.cluster.metrics import ServeMetrics
         from kvmesh.cluster.openai_api import build_api
 
         return build_api(
             self.backend,
             model_name=self.config.model_name,
             api_key=self.config.api_key,
-            metrics=ServeMetrics(),
+            metrics=self.metrics,
             max_request_bytes=self.config.max_request_bytes,
             admission=self.admission,
         )
+
+    async def chat(self, body: dict[str, Any]) -> Any:
+        """OpenAI's chat completion: ``body`` is what the HTTP route's JSON body holds, the
+        answer its JSON response as a dict; with ``"stream": true`` (and
+        ``handle.options(stream=True)``) its chunks, as dicts. Errors as over HTTP, raised:
+        ``ApiError`` (``status``, OpenAI's ``body``); over the admission limit Serve's
+        ``BackPressureError``."""
+        return await self._openai(body, ChatCompletionRequest, chat_choices)
+
+    async def completions(self, body: dict[str, Any]) -> Any:
+        """OpenAI's (text) completions, ``n`` and prompt batches included; as ``chat``."""
+        return await self._openai(body, CompletionRequest, completion_choices)
+
+    async def _openai(self, body: dict[str, Any], model: type[B], choices: Any) -> Any:
+        received = time.perf_counter()
+        parsed = await in_thread(parse_dict, body, model)
+        reqs, shape = await choices(self.backend, parsed, self.config.model_name)
+        if parsed.stream:
+            return self._openai_stream(reqs, shape, parsed.include_usage, received)
+        self._admit(len(reqs))
+        try:
+            return await self.generation.answer(reqs, shape, received)
+        finally:
+            self.admission.leave(len(reqs))
+
+    async def _openai_stream(
+        self, reqs: list[GenerateRequest], shape: ResponseShape, usage: bool, received: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        self._admit(len(reqs))  # at the first chunk asked for, as ``_stream``
+        try:
+            opened = await self.generation.open(reqs)
+            # Closed with this generator (the caller stopped reading): aborts the choices.
+            async with contextlib.aclosing(
+                self.generation.chunks(opened, shape, usage, received)
+            ) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.admission.leave(len(reqs))
 
     async def generate(self, request: dict[str, Any]) -> Any:
         """The Python handle's entry point; see the module docstring. Over the admission
@@ -144,14 +195,21 @@ class KvmeshServer:
         # gives the place back however the stream ends.
         self._admit()
         try:
-            async for chunk in self.backend.stream(req):
-                yield chunk_dict(chunk)
+            async with contextlib.aclosing(self.backend.stream(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk_dict(chunk)
         finally:
             self.admission.leave()
 
-    def _admit(self) -> None:
+    def _admit(self, places: int = 1) -> None:
+        """A place per choice, or Serve's ``BackPressureError`` (holding none)."""
         try:
             self.admission.enter()
+            try:
+                self.admission.grow(1, places - 1)
+            except Overloaded:
+                self.admission.leave()
+                raise
         except Overloaded:
             raise BackPressureError(
                 num_queued_requests=self.admission.admitted,

@@ -174,3 +174,17 @@ def test_a_request_whose_worker_was_lost_too_often_is_a_503_naming_the_cause(
         status, events = sse_events(port, CHAT, body)
     assert status == 200
     assert "max_migrations 3" in events[-1]["error"]["message"], events
+
+
+def test_api_errors_pickle_whole() -> None:
+    """Ray pickles what a handle call raises: status, body and Retry-After survive."""
+    import pickle
+
+    from kvmesh.cluster.api_error import ApiError
+    from kvmesh.cluster.http_errors import Overloaded
+
+    for e in (ApiError(400, "n: must be >= 1", param="n"), Overloaded("overloaded", 2.5)):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e)
+        assert (back.status, back.body) == (e.status, e.body)
+    assert pickle.loads(pickle.dumps(Overloaded("x", 2.5))).headers == {"Retry-After": "3"}

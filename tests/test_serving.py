@@ -14,6 +14,7 @@ from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import (
+    busy_worker,
     kill_worker,
     redeploy,
     replica_log,
@@ -114,6 +115,54 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
         assert tok in entry and 2 <= len(entry) <= 3
     streamed = handle.options(stream=True).generate.remote({**req, "logprobs": 2, "stream": True})
     assert [e for c in streamed for e in c.get("logprobs", [])] == lps
+
+
+def test_handle_speaks_openai_bodies(unified) -> None:
+    """``handle.completions`` / ``handle.chat`` take the HTTP body as a dict and give the
+    HTTP JSON: several choices, streams with usage, and the same 400s, raised."""
+    from kvmesh.cluster.api_error import ApiError
+
+    handle, client, config = unified
+    body = {"model": config.model_name, "prompt": ["Once upon", "Hello"], "n": 2}
+    body |= {"max_tokens": 10, "temperature": 0}
+    over_http = client.completions.create(**body).model_dump(exclude_unset=True)
+    out = handle.completions.remote(body).result()
+    assert out["object"] == "text_completion" and len(out["choices"]) == 4
+    assert [c["text"] for c in out["choices"]] == [c["text"] for c in over_http["choices"]]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # not what was cached
+    assert {k: out["usage"][k] for k in counts} == {k: over_http["usage"][k] for k in counts}
+    chat = {"model": config.model_name, "messages": [{"role": "user", "content": "Hi"}]}
+    chat |= {"max_tokens": 8, "temperature": 0, "n": 2}
+    answer = handle.chat.remote(chat).result()
+    texts = [c["message"]["content"] for c in answer["choices"]]
+    assert texts[0] == texts[1]
+    stream = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = list(handle.options(stream=True).chat.remote(stream))
+    streamed = ["", ""]
+    for c in chunks[:-1]:
+        streamed[c["choices"][0]["index"]] += c["choices"][0]["delta"].get("content") or ""
+    assert streamed == texts
+    assert {k: chunks[-1]["usage"][k] for k in counts} == {k: answer["usage"][k] for k in counts}
+    with pytest.raises(ApiError) as bad:
+        handle.chat.remote({**chat, "temperature": float("nan")}).result()
+    assert bad.value.status == 400 and "not JSON" in bad.value.body["error"]["message"]
+    with pytest.raises(ApiError) as bad:
+        handle.completions.remote({**body, "n": 0}).result()
+    assert bad.value.status == 400 and bad.value.body["error"]["param"] == "n"
+    assert handle.ingress_stats.remote().result()["admitted"] == 0
+
+
+def test_a_handle_stream_its_caller_cancels_aborts_every_choice(unified) -> None:
+    handle, _, config = unified
+    body = {"model": config.model_name, "prompt": "Once", "max_tokens": 2000, "n": 2}
+    stream = handle.options(stream=True).completions.remote(
+        {**body, "ignore_eos": True, "stream": True}
+    )
+    next(stream)
+    assert busy_worker(handle) is not None
+    stream.cancel()
+    wait_for(lambda: busy_worker(handle) is None, 15, "the workers to abort both choices")
+    wait_for(lambda: handle.ingress_stats.remote().result()["admitted"] == 0, 5, "places back")
 
 
 def test_a_worker_files_kv_under_its_own_tokens_not_a_sent_chain(unified) -> None:

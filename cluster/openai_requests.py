@@ -1,0 +1,75 @@
+"""An OpenAI request body, validated, as the backend requests of its choices and the shape of
+its response: ``chat_choices`` and ``completion_choices``, shared by the HTTP routes
+(``openai_api.py``) and the Python handle (``serve_app.py``), so both check and number
+alike. Tokenizing and the chat template run in a worker thread (``in_thread``): they are CPU
+work the event loop must not wait on."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio.to_thread
+import jinja2
+
+from kvmesh.cluster.api_error import ApiError, valid
+from kvmesh.cluster.backend import Backend, GenerateRequest
+from kvmesh.cluster.generation import choice_id
+from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.response_shape import ResponseShape
+from kvmesh.workers.sampling_params import SamplingParams
+
+T = TypeVar("T")
+Choices = tuple[list[GenerateRequest], ResponseShape]
+
+
+async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name: str) -> Choices:
+    """A chat body's choices (ApiError 400 when the model, template or sampling is wrong)."""
+    body.check(model_name)
+    messages = body.message_dicts()
+    ids = await in_thread(_chat_ids, backend, messages)
+    params = body.sampling_params(len(ids), backend.max_model_len)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    choices = body.per_choice(params)
+    reqs = _choice_requests(rid, 0, body.n, choices, messages=messages, prompt_ids=ids)
+    return reqs, ResponseShape("chat", rid, model_name, body.num_logprobs(), body.n)
+
+
+async def completion_choices(backend: Backend, body: CompletionRequest, model_name: str) -> Choices:
+    """A completions body's choices: ``n`` per prompt, prompt by prompt (OpenAI's order)."""
+    body.check(model_name)
+    prompts = body.prompts()
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    reqs: list[GenerateRequest] = []
+    total = len(prompts) * body.n
+    for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
+        ids = await in_thread(valid, lambda p=prompt: backend.tokenize(p))
+        choices = body.per_choice(body.sampling_params(len(ids), backend.max_model_len))
+        reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
+    return reqs, ResponseShape("text", rid, model_name, body.num_logprobs(), body.n)
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread: CPU work (JSON, templates, tokenizers) must not
+    hold up the event loop, where /health and every stream run."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+
+
+def _choice_requests(
+    rid: str, first: int, total: int, choices: list[SamplingParams], **prompt: Any
+) -> list[GenerateRequest]:
+    """One backend request per choice of one prompt (``prompt``: its text or messages and
+    ids), numbered from ``first`` of the response's ``total`` choices."""
+    return [
+        GenerateRequest(choice_id(rid, first + i, total), params, **prompt)
+        for i, params in enumerate(choices)
+    ]
+
+
+def _chat_ids(backend: Backend, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        return valid(lambda: backend.tokenize_chat(messages))
+    except jinja2.TemplateError as e:  # templates that raise, e.g. on roles out of order
+        raise ApiError(400, f"messages: {e}", param="messages") from None
