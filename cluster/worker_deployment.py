@@ -132,6 +132,11 @@ class WorkerDeployment:
             # the wait for that (``prefill_wait_s``), never the prefill itself.
             yield StreamDelta(request.request_id, worker=self.name)
         plan = request.plan
+        if plan is not None and plan.pending_id is not None and self.index is not None:
+            # The router's pending entry is believed only briefly until this worker, which
+            # got the request, confirms it (a forged one never is). Nothing waits on it.
+            tokens = [*request.prompt_ids, *request.resumed_ids]
+            self.actor.confirm_pending.remote(plan.pending_id, tokens)
         if plan is not None and plan.wait_for is not None and self.index is not None:
             await self._wait_for_peer(request)
         elif plan is not None and plan.local_blocks:

@@ -375,6 +375,15 @@ class ClusterKvConnector(KvCacheConnector):
         self.stats["snapshots_sent"] += 1
         return len(hashes)
 
+    def confirm_pending(self, pending_id: int, hashes: Sequence[BlockHash]) -> bool:
+        """The index's ``confirm_pending`` with this worker's token."""
+        try:
+            args = (self.worker_id, pending_id, list(hashes), self._token)
+            return bool(self._call("confirm_pending", *args))
+        except IndexUnavailable as e:  # the entry expires early: routing quality, no more
+            self._warn("confirming pending entry %s failed: %s", pending_id, e)
+            return False
+
     def get_stats(self) -> dict[str, float]:
         """This connector's counters and its transport's (``known_peers``: the peers a plan
         may name); never asks the index."""

@@ -18,7 +18,8 @@ with the incarnation; ``apply`` / ``apply_many`` / ``apply_snapshot`` / ``heartb
 ``deregister`` (and a re-``register``) of a worker need that worker's token, and are refused
 and counted (``unauthorized`` in ``stats``) otherwise. The token is not in ``workers()``.
 Pending entries and queries stay open: routers, which hold no worker's token, add and drop
-pending entries, and every answer is a hint.
+pending entries, and every answer is a hint; only a worker's token confirms an entry of that
+worker, which then lives its whole time to live (``pending_entries.py``).
 
 Ordering: a threaded actor may run two calls of one caller out of order, so a worker keeps at
 most one ``apply`` in flight (or sends several through one ``apply_many``); a reordering
@@ -192,6 +193,13 @@ class KvIndexActor:
         """:meth:`KvIndex.add_pending`: ``worker_id`` computes these leading blocks now."""
         with self._lock:
             return self._index.add_pending(worker_id, hashes, tokens, ttl_s, seen)
+
+    def confirm_pending(
+        self, worker_id: str, pending_id: int, hashes: Sequence[bytes], token: str | None
+    ) -> bool:
+        """:meth:`KvIndex.confirm_pending`: the worker got the entry's request."""
+        with self._lock:
+            return self._index.confirm_pending(worker_id, pending_id, hashes, token)
 
     def drop_pending(self, pending_id: int) -> bool:
         with self._lock:

@@ -274,6 +274,14 @@ class KvIndex:
         """:meth:`PendingEntries.add`."""
         return self._pending.add(worker_id, hashes, tokens, ttl_s, seen)
 
+    def confirm_pending(
+        self, worker_id: str, pending_id: int, hashes: Sequence[bytes], token: object
+    ) -> bool:
+        """:meth:`PendingEntries.confirm`, for the worker itself (PermissionError for a wrong
+        token: a forged entry cannot be made to last)."""
+        self.authorize(worker_id, token)
+        return self._pending.confirm(pending_id, worker_id, hashes)
+
     def drop_pending(self, pending_id: int) -> bool:
         """:meth:`PendingEntries.drop`."""
         return self._pending.drop(pending_id)

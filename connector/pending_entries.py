@@ -4,8 +4,16 @@ An entry says "worker w is computing these leading blocks of a prompt now, with 
 prompt tokens still to compute". Whoever routes a prompt adds one and drops it when the prompt
 is computed; a ``Stored`` of the entry's last block from that worker (``stored``), the worker's
 purge (``drop_worker``) or the entry's time to live drops it too, so an ingress that dies never
-leaves one behind for long. ``KvIndex`` (connector/kv_index.py) owns one ``PendingEntries`` and
-answers held blocks and pending ones together in ``route_lookup``.
+leaves one behind for long.
+
+Anyone may add an entry (routers hold no worker's token), so an entry is believed only
+briefly until its worker confirms it (``confirm``): the worker does when the routed request
+reaches it, with the hashes of the prompt it was given. Until then the entry lives at most
+``UNCONFIRMED_TTL_S``; a forged one (a prompt the worker never got) makes followers wait for
+it that long at most, not its whole time to live.
+
+``KvIndex`` (connector/kv_index.py) owns one ``PendingEntries`` and answers held blocks and
+pending ones together in ``route_lookup``.
 
 No torch, no ray. Not thread-safe: the index actor holds a lock around its index.
 """
@@ -30,6 +38,10 @@ DEFAULT_PENDING_TTL_S = 120.0
 # stays short. A live entry stands for a routed request that has not started: thousands
 # per cluster, not tens of thousands.
 MAX_PENDING_TTL_S = DEFAULT_PENDING_TTL_S
+# How long an entry lives before its worker confirms it: longer than a routed request takes
+# to reach its worker replica (a hop through Serve), short enough that a forged entry costs
+# little.
+UNCONFIRMED_TTL_S = 10.0
 MAX_PENDING_ENTRIES = 16_384
 MAX_PENDING_HASHES = 1 << 20
 # How long an ended pending entry still counts as a race: longer than a router's lookup and
@@ -41,6 +53,7 @@ COUNTERS = (
     "pending_expired",
     "pending_raced",
     "pending_evicted",
+    "pending_confirmed",
 )
 
 
@@ -50,12 +63,15 @@ class _PendingEntry:
     hashes: tuple[bytes, ...]
     tokens: int
     expires: float
+    ttl_s: float  # what it was added for: its time to live once confirmed
+    confirmed: bool = False
 
 
 class PendingEntries:
     """Every worker's pending entries, their expiry and the ones ended lately.
 
-    Contracts: an entry lives until :meth:`drop`, its ``ttl_s`` (on ``clock``; at most
+    Contracts: an entry lives until :meth:`drop`, its time to live (on ``clock``: at most
+    ``UNCONFIRMED_TTL_S`` until :meth:`confirm`, then its ``ttl_s``, at most
     ``MAX_PENDING_TTL_S``), :meth:`stored` of its last hash by its worker, :meth:`drop_worker`,
     or a newer entry past ``max_entries`` / ``max_hashes`` (the one expiring first goes). Ids
     are never reused; ``last_id`` is the newest, a version of the whole set that routers quote
@@ -123,12 +139,14 @@ class PendingEntries:
             len(self._pending_owner) >= self.max_entries
             or self._num_hashes + len(chain) > self.max_hashes
         ):
-            _, oldest = heapq.heappop(self._expiry)  # items of dropped entries are skipped
-            if self.drop(oldest):
+            expires, oldest = heapq.heappop(self._expiry)
+            # Items of dropped entries, and a confirmed entry's first, are stale: skipped.
+            if self._expires(oldest) == expires and self.drop(oldest):
                 self.counts["pending_evicted"] += 1
         pending_id = next(self._pending_ids)
         self.last_id = pending_id
-        entry = _PendingEntry(worker_id, chain, tokens, self._clock() + ttl_s)
+        now = self._clock()
+        entry = _PendingEntry(worker_id, chain, tokens, now + min(ttl_s, UNCONFIRMED_TTL_S), ttl_s)
         self._num_hashes += len(chain)
         self._pending.setdefault(worker_id, {})[pending_id] = entry
         self._pending_owner[pending_id] = worker_id
@@ -138,6 +156,21 @@ class PendingEntries:
         heapq.heappush(self._expiry, (entry.expires, pending_id))
         self.counts["pending_added"] += 1
         return pending_id
+
+    def confirm(self, pending_id: int, worker_id: str, hashes: Sequence[bytes]) -> bool:
+        """``worker_id`` got the request of entry ``pending_id``, whose prompt has block hashes
+        ``hashes`` (the worker's own): the entry lives its whole ``ttl_s`` from now. False
+        (nothing changes) when the entry is gone, another worker's, or claims blocks that
+        prompt does not have."""
+        entry = self._pending.get(worker_id, {}).get(pending_id)
+        if entry is None or common_prefix(entry.hashes, hashes) < len(entry.hashes):
+            return False
+        if not entry.confirmed:
+            entry.confirmed = True
+            entry.expires = self._clock() + entry.ttl_s
+            heapq.heappush(self._expiry, (entry.expires, pending_id))
+            self.counts["pending_confirmed"] += 1
+        return True
 
     def _raced(self, worker_id: str, first: bytes, seen: int) -> bool:
         """Another worker's entry for a prompt starting with block ``first``, newer than
@@ -182,8 +215,8 @@ class PendingEntries:
         """Drop the entries whose time to live is over; returns how many."""
         now, heap, n = self._clock(), self._expiry, 0
         while heap and heap[0][0] <= now:
-            _, pending_id = heapq.heappop(heap)
-            if self.drop(pending_id):
+            expires, pending_id = heapq.heappop(heap)
+            if self._expires(pending_id) == expires and self.drop(pending_id):
                 n += 1
         if len(heap) > 64 and len(heap) > 4 * len(self._pending_owner):  # dropped entries' items
             self._expiry = [(e.expires, i) for w in self._pending.values() for i, e in w.items()]
@@ -194,9 +227,14 @@ class PendingEntries:
     def next_expiry(self) -> float | None:
         """When (on the clock) the next entry expires, or None when none is pending."""
         heap = self._expiry
-        while heap and heap[0][1] not in self._pending_owner:  # dropped before it expired
+        while heap and self._expires(heap[0][1]) != heap[0][0]:  # dropped, or confirmed
             heapq.heappop(heap)
         return heap[0][0] if heap else None
+
+    def _expires(self, pending_id: int) -> float | None:
+        """When a live entry expires now (a confirmed entry's first heap item is stale)."""
+        worker_id = self._pending_owner.get(pending_id)
+        return None if worker_id is None else self._pending[worker_id][pending_id].expires
 
     def stored(self, worker_id: str, stored: Iterable[bytes]) -> None:
         """Drop the worker's entries whose last hash it just stored."""
@@ -272,7 +310,8 @@ class PendingEntries:
             if e.hashes
         }
         assert lasts == want, "pending last-hash map is stale"
-        assert set(owners) <= {i for _, i in self._expiry}, "a pending entry never expires"
+        live = {(e.expires, i) for es in self._pending.values() for i, e in es.items()}
+        assert live <= set(self._expiry), "a pending entry never expires"
         hashes = sum(len(e.hashes) for es in self._pending.values() for e in es.values())
         assert hashes == self._num_hashes, "the live entries' hash count is stale"
         assert len(owners) <= self.max_entries and hashes <= self.max_hashes, "over budget"

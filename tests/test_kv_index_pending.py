@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.connector.events import Stored
-from kvmesh.connector.pending_entries import MAX_PENDING_TTL_S, RACE_WINDOW_S, PendingEntries
+from kvmesh.connector.pending_entries import (
+    MAX_PENDING_TTL_S,
+    RACE_WINDOW_S,
+    UNCONFIRMED_TTL_S,
+    PendingEntries,
+)
 from tests.kv_index_helpers import BASE, FORK4, FORK8, FP, Index, batch, chain, index_with
 
 
@@ -100,8 +105,10 @@ def test_pending_lookup_depth_wait_tokens_and_backlog() -> None:
 def test_pending_expires_on_the_injected_clock() -> None:
     clock = FakeClock()
     idx = Index(FP, clock=clock)
+    token = idx.register("a", FP)
     short = idx.add_pending("a", BASE[:4], 10, ttl_s=5)
-    idx.add_pending("a", FORK4[:6], 20, ttl_s=30)
+    confirmed = idx.add_pending("a", FORK4[:6], 20, ttl_s=30)
+    assert idx.confirm_pending("a", confirmed, FORK4, token)  # its worker got the request
     assert idx.next_pending_expiry() == 1005.0
     clock.now = 1004.9
     assert idx.route_lookup(BASE)["pending"] == {"a": {"depth": 4, "wait_tokens": 10}}
@@ -114,6 +121,49 @@ def test_pending_expires_on_the_injected_clock() -> None:
     assert idx.next_pending_expiry() is None
     assert idx.stats()["pending_expired"] == 2 and idx.stats()["pending"] == 0
     idx.check_integrity()
+
+
+def test_an_entry_its_worker_never_confirms_is_believed_briefly() -> None:
+    """Anyone may add an entry; only the worker, with its token and the hashes of the prompt
+    it was sent, makes it live its time to live. A forged one goes after UNCONFIRMED_TTL_S."""
+    clock = FakeClock()
+    idx = Index(FP, clock=clock)
+    token_a, token_b = idx.register("a", FP), idx.register("b", FP)
+    forged = idx.add_pending("a", BASE[:8], 64, ttl_s=MAX_PENDING_TTL_S)
+    real = idx.add_pending("a", FORK4[:6], 20, ttl_s=60)
+    assert idx.next_pending_expiry() == 1000.0 + UNCONFIRMED_TTL_S
+    with pytest.raises(PermissionError):
+        idx.confirm_pending("a", forged, BASE, token_b)  # another worker's token
+    assert idx.stats()["unauthorized"] == 1
+    assert not idx.confirm_pending("b", forged, BASE, token_b)  # not b's entry
+    assert not idx.confirm_pending("a", forged, FORK4, token_a)  # not the prompt a was sent
+    assert not idx.confirm_pending("a", forged, BASE[:7], token_a)  # a shorter prompt
+    clock.now += 5
+    assert idx.confirm_pending("a", real, FORK4, token_a)
+    assert idx.confirm_pending("a", real, FORK4, token_a)  # again: no change
+    clock.now = 1000.0 + UNCONFIRMED_TTL_S
+    assert idx.route_lookup(BASE)["pending"] == {"a": {"depth": 4, "wait_tokens": 20}}
+    assert idx.pending_depth("a", BASE[:8]) == 4  # only the confirmed entry's shared blocks
+    assert idx.next_pending_expiry() == 1065.0
+    clock.now = 1064.9
+    assert idx.expire_pending() == 0
+    clock.now = 1065.0
+    assert idx.expire_pending() == 1 and not idx.confirm_pending("a", real, FORK4, token_a)
+    stats = idx.stats()
+    assert (stats["pending_confirmed"], stats["pending_expired"]) == (1, 2)
+    idx.check_integrity()
+
+
+def test_eviction_past_the_budget_skips_a_confirmed_entrys_old_expiry() -> None:
+    clock = FakeClock()
+    pending = PendingEntries(clock, max_entries=2)
+    first = pending.add("a", BASE[:2], 10, ttl_s=60)
+    assert pending.confirm(first, "a", BASE)  # now expires at 1060, after the next one
+    clock.now += 1
+    second = pending.add("a", FORK4[:2], 10, ttl_s=60)  # unconfirmed: expires at 1011
+    pending.add("a", FORK8[:2], 10, ttl_s=60)  # over budget: the one expiring first goes
+    assert set(pending.entries()) == {first, second + 1}
+    pending.check_integrity()
 
 
 def test_pending_dropped_when_its_worker_stores_the_last_block() -> None:

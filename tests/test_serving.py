@@ -275,5 +275,14 @@ def test_kv_aware_burst_computes_a_shared_prefix_once(reference) -> None:
         computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
         assert computed == len(shared) + sum(len(p) - len(shared) for p in prompts)
         assert len({o["kvmesh"]["worker"] for o in outs}) >= 2
+        # The workers vouched for the router's pending entries (else each is believed for
+        # UNCONFIRMED_TTL_S only), and no confirmation was refused.
+        index = wait_for(
+            lambda: (s := handle.stats.remote().result()["index"])["pending_confirmed"] and s,
+            10,
+            "the workers to confirm the pending entries",
+        )
+        assert index["pending_confirmed"] <= index["pending_added"]
+        assert index["unauthorized"] == 0
     finally:
         undeploy()

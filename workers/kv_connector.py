@@ -203,6 +203,13 @@ class KvCacheConnector(ABC):
         """Cumulative counters (pulls, bytes, failures, seconds); no remote call."""
         return {}
 
+    def confirm_pending(self, pending_id: int, hashes: Sequence[BlockHash]) -> bool:
+        """A request reached this worker with a router's pending entry (``pending_id``: "this
+        worker computes these blocks now") for a prompt whose block hashes are ``hashes``:
+        vouch for the entry, which until then is believed only briefly. Any thread but the
+        step thread; never raises. Default: nothing to confirm (False)."""
+        return False
+
     def close(self) -> None:
         """The worker is shutting down: flush, deregister, release resources."""
 

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 import torch
 
-from kvmesh.workers.block_hash import BlockHash
+from kvmesh.workers.block_hash import BlockHash, block_hashes
 from kvmesh.workers.engine import ConnectorFactory
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
@@ -125,6 +125,15 @@ class WorkerActor:
     @_control
     def occupancy(self) -> dict[str, int]:
         return self.worker.occupancy()
+
+    @_control
+    def confirm_pending(self, pending_id: int, token_ids: Sequence[int]) -> bool:
+        """A router's pending entry says this worker computes the prompt ``token_ids`` (its
+        resumed tokens included) now: the connector confirms it with the hashes of those
+        tokens, hashed here, so an entry for blocks this worker was not sent stays brief."""
+        eng = self.worker.engine
+        hashes = block_hashes(token_ids, eng.config.block_size, eng.fingerprint.namespace)
+        return self.worker.kv.connector.confirm_pending(pending_id, hashes)
 
     @_control
     def flush_events(self) -> int:
