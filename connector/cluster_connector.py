@@ -376,11 +376,14 @@ class ClusterKvConnector(KvCacheConnector):
         return len(hashes)
 
     def confirm_pending(self, pending_id: int, hashes: Sequence[BlockHash]) -> bool:
-        """The index's ``confirm_pending`` with this worker's token."""
+        """Sends the index's ``confirm_pending`` with this worker's token, and does not wait
+        for it: a slow or dead index must not hold a thread per request, and a confirmation
+        lost only shortens the entry's life (routing quality, no more)."""
         try:
             args = (self.worker_id, pending_id, list(hashes), self._token)
-            return bool(self._call("confirm_pending", *args))
-        except IndexUnavailable as e:  # the entry expires early: routing quality, no more
+            self.index.confirm_pending.remote(*args)
+            return True
+        except Exception as e:
             self._warn("confirming pending entry %s failed: %s", pending_id, e)
             return False
 

@@ -206,8 +206,9 @@ class KvCacheConnector(ABC):
     def confirm_pending(self, pending_id: int, hashes: Sequence[BlockHash]) -> bool:
         """A request reached this worker with a router's pending entry (``pending_id``: "this
         worker computes these blocks now") for a prompt whose block hashes are ``hashes``:
-        vouch for the entry, which until then is believed only briefly. Any thread but the
-        step thread; never raises. Default: nothing to confirm (False)."""
+        vouch for the entry, which until then is believed only briefly. True when the
+        confirmation went out. Any thread but the step thread; never blocks on a peer, never
+        raises. Default: nothing to confirm (False)."""
         return False
 
     def close(self) -> None:
