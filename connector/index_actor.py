@@ -207,6 +207,11 @@ class KvIndexActor:
             self._changed.notify_all()
             return dropped
 
+    def pending(self) -> dict[int, dict[str, Any]]:
+        """:meth:`KvIndex.pending`: every live entry by id (for operators and tests)."""
+        with self._lock:
+            return self._index.pending()
+
     def route_lookup(self, hashes: Sequence[bytes]) -> dict[str, Any]:
         """:meth:`KvIndex.route_lookup` (``held``, ``tiers``, ``pending``, ...) plus
         ``"incarnation"``."""

@@ -4,6 +4,7 @@ no KV without a lease, pin no more than the limits, speak for no worker in the i
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import ray
@@ -11,10 +12,12 @@ import ray
 from kvmesh import SamplingParams
 from kvmesh.connector.events import EventPublisher
 from kvmesh.connector.index_actor import get_index_actor
+from kvmesh.connector.pending_entries import MAX_PENDING_TTL_S, UNCONFIRMED_TTL_S
 from kvmesh.workers.block_hash import block_hashes
 from kvmesh.workers.worker import MAX_LEASE_S
 from tests.cluster_helpers import flush, start_workers, stop_workers
 from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.serve_helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 BS = 4
@@ -93,6 +96,20 @@ def test_another_driver_cannot_speak_for_a_worker_in_the_index() -> None:
             refused(index.register.remote(a_id, fp, {"transport": b"evil"})), PermissionError
         )
         assert ray.get(index.lookup.remote(hashes)) == {a_id: 10}
+        # A forged pending entry ("a computes this prompt now") is believed only briefly:
+        # no other caller can confirm it, and a refuses one for a prompt it was not sent.
+        other = block_hashes(prompt(5, 41), BS, info["namespace"])[:10]
+        pid = ray.get(index.add_pending.remote(a_id, other, 40, MAX_PENDING_TTL_S))
+        lives = ray.get(index.pending.remote())[pid]["expires"] - time.monotonic()
+        assert 0 < lives <= UNCONFIRMED_TTL_S
+        forged_confirm = index.confirm_pending.remote(a_id, pid, other, "0" * 32)
+        assert isinstance(refused(forged_confirm), PermissionError)
+        assert ray.get(a.confirm_pending.remote(pid, ids))  # sent, with a's own hashes...
+        assert ray.get(index.stats.remote())["pending_confirmed"] == 0  # ...and refused there
+        assert ray.get(a.confirm_pending.remote(pid, prompt(5, 41)))  # the prompt it claims
+        wait_for(lambda: ray.get(index.stats.remote())["pending_confirmed"] == 1, 10, "it")
+        assert ray.get(index.pending.remote())[pid]["expires"] - time.monotonic() > lives
+        assert ray.get(index.drop_pending.remote(pid))
         # a's own connector still publishes, and b still pulls from it.
         out = ray.get(b.generate.remote(ids, GREEDY), timeout=60)
         assert out.metrics.num_pulled_tokens == 40
