@@ -41,7 +41,7 @@ from typing import Any
 import ray
 
 from kvmesh import SamplingParams
-from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.worker_actor import worker_actor_class
 

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.fault_transport import KINDS, TransferFaults
 from kvmesh.workers.block_hash import block_hashes
 from kvmesh.workers.engine_config import EngineConfig

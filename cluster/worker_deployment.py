@@ -29,7 +29,7 @@ from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.router import CostModel
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
-from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan

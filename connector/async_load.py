@@ -40,7 +40,7 @@ from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.kv_connector import LoadResult, PullPlan
 
 if TYPE_CHECKING:
-    from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+    from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 
 logger = logging.getLogger(__name__)
 ANSWER_TTL_S = 1.0  # a lookup's answer serves the lookups of this long after its first read

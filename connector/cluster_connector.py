@@ -28,25 +28,23 @@ register), so no other caller can speak for this worker. A rejoin gets a new one
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from kvmesh.connector.async_load import PullLoader
+from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.events import EventPublisher
-from kvmesh.connector.fault_transport import TransferFaults
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.connector.transport import BlockTransport, TransferError, make_transport
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.engine import ConnectorContext
 from kvmesh.workers.kv_connector import KvCacheConnector, LoadResult, PullPlan
-from kvmesh.workers.worker import MAX_LEASE_S, MAX_PINNED_FRACTION
+from kvmesh.workers.worker import MAX_PINNED_FRACTION
 
 logger = logging.getLogger(__name__)
 # The first worker of a model starts the index actor: a new process, seconds on a busy host.
@@ -62,42 +60,6 @@ class IndexUnavailable(Exception):
     Deliberately not a RayActorError: raised out of a worker actor's method, that would tell
     the caller the worker died.
     """
-
-
-@dataclass(frozen=True)
-class ClusterConnectorConfig:
-    """Built by the cluster layer and shipped to each worker actor (it is picklable)."""
-
-    transport: str | None = None  # "nixl", "ray", or None: NIXL when importable
-    # How long a holder keeps blocks pinned for one pull: at least timeout_s (the read it
-    # protects may take that long), at most the holders' MAX_LEASE_S (they refuse longer).
-    lease_s: float = 10.0
-    timeout_s: float = 5.0  # index round trips, pins and transfers
-    publish_interval_s: float = 0.02
-    heartbeat_interval_s: float = 1.0
-    min_pull_blocks: int = 1  # pull only when a peer has at least this many more blocks
-    faults: TransferFaults | None = None  # test/bench hook only: inject transfer faults
-
-    def __post_init__(self) -> None:
-        for name in ("lease_s", "timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{name}: must be a number, got {value!r}")
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}: must be finite and > 0, got {value!r}")
-        if self.lease_s > MAX_LEASE_S:
-            raise ValueError(
-                f"lease_s: {self.lease_s} is over the {MAX_LEASE_S} s holders grant; "
-                "every pin would be refused"
-            )
-        if self.lease_s < self.timeout_s:
-            raise ValueError(
-                f"lease_s ({self.lease_s}) is shorter than timeout_s ({self.timeout_s}): a lease "
-                "could expire during the read it protects"
-            )
-
-    def __call__(self, ctx: ConnectorContext) -> ClusterKvConnector:
-        return ClusterKvConnector(ctx, self)
 
 
 class ClusterKvConnector(KvCacheConnector):

@@ -14,7 +14,7 @@ import pytest
 
 from kvmesh import SamplingParams
 from kvmesh.connector import cluster_connector, index_actor, kv_index
-from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.events import EventBatch, Stored, encode_batch
 from kvmesh.connector.kv_index import KvIndex
 from kvmesh.workers import worker as worker_module

@@ -18,7 +18,7 @@ import ray
 from kvmesh import SamplingParams
 from kvmesh.cluster.worker_deployment import pull_plan
 from kvmesh.cluster.worker_request import Plan
-from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.fault_transport import TransferFaults
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan

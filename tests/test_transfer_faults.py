@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvmesh.connector.cluster_connector import ClusterConnectorConfig
+from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.fault_transport import ENV_VAR, KINDS, FaultyTransport, TransferFaults
 from kvmesh.connector.nixl_transport import NixlTransport
 from kvmesh.connector.ray_transport import RayTransport
