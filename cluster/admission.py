@@ -13,7 +13,7 @@ admitted only while it is alone, so it can run at all.
 
 Both entry points share one ``Admission``: the HTTP routes through ``AdmitRequests`` (ASGI
 middleware, which leaves the request's ``Admitted`` in its scope for the route) and the
-Python handle (one choice per call) through ``KvmeshServer``.
+Python handle through ``KvmeshServer`` (a place per choice as well).
 """
 
 from __future__ import annotations
