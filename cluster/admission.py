@@ -98,9 +98,22 @@ class Admission:
                 raise RuntimeError("Admission.leave() gives back more than was entered")
             self._admitted -= places
 
+    def admit(self, choices: int = 1) -> Admitted:
+        """A request holding a place per choice, or ``Overloaded`` (holding none); used as
+        a context manager, which gives every place back."""
+        self.enter()
+        admitted = Admitted(self)
+        try:
+            admitted.hold(choices)
+        except Overloaded:
+            self.leave()
+            raise
+        return admitted
+
 
 class Admitted:
-    """One admitted request's places: one from ``enter()``, then one per choice."""
+    """One admitted request's places: one from ``enter()``, then one per choice. A context
+    manager: leaving it gives them all back."""
 
     def __init__(self, admission: Admission) -> None:
         self.admission, self.places = admission, 1
@@ -110,6 +123,12 @@ class Admitted:
         ``Overloaded``."""
         self.admission.grow(self.places, choices - self.places)
         self.places = max(self.places, choices)
+
+    def __enter__(self) -> Admitted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.admission.leave(self.places)
 
 
 def hold_places(scope: MutableMapping[str, Any], choices: int) -> None:
@@ -140,13 +159,10 @@ class AdmitRequests:
             await self.app(scope, receive, send)
             return
         try:
-            self.admission.enter()
+            admitted = scope[SCOPE_KEY] = self.admission.admit()
         except Overloaded as e:
             # Refused before the body is read: the server drains or closes the connection.
             await error_response(e)(scope, receive, send)
             return
-        admitted = scope[SCOPE_KEY] = Admitted(self.admission)
-        try:
+        with admitted:
             await self.app(scope, receive, send)
-        finally:
-            self.admission.leave(admitted.places)

@@ -21,6 +21,7 @@ details (``http_errors.py``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -41,7 +42,7 @@ from kvmesh.cluster.http_errors import (
 )
 from kvmesh.cluster.http_middleware import CountRequests, LimitBody
 from kvmesh.cluster.metrics import CONTENT_TYPE, ServeMetrics
-from kvmesh.cluster.openai_requests import chat_choices, completion_choices, in_thread
+from kvmesh.cluster.openai_requests import chat_choices, completion_choices
 from kvmesh.cluster.openapi_doc import (
     add_openapi,
     error_responses,
@@ -180,6 +181,6 @@ def _json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
     field when it does not parse). The body is whole already: ``_LimitBody`` read it."""
 
     async def read(request: Request) -> B:
-        return await in_thread(parse_body, await request.body(), model)
+        return await asyncio.to_thread(parse_body, await request.body(), model)
 
     return read

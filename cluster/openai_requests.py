@@ -1,17 +1,15 @@
 """An OpenAI request body, validated, as the backend requests of its choices and the shape of
 its response: ``chat_choices`` and ``completion_choices``, shared by the HTTP routes
 (``openai_api.py``) and the Python handle (``serve_app.py``), so both check and number
-alike. Tokenizing and the chat template run in a worker thread (``in_thread``): they are CPU
-work the event loop must not wait on."""
+alike. Tokenizing and the chat template run in a worker thread (``asyncio.to_thread``): they
+are CPU work the event loop, where /health and every stream run, must not wait on."""
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio.to_thread
 import jinja2
 
 from kvmesh.cluster.api_error import ApiError, valid
@@ -21,7 +19,6 @@ from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.response_shape import ResponseShape
 from kvmesh.workers.sampling_params import SamplingParams
 
-T = TypeVar("T")
 Choices = tuple[list[GenerateRequest], ResponseShape]
 
 
@@ -29,7 +26,7 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
     """A chat body's choices (ApiError 400 when the model, template or sampling is wrong)."""
     body.check(model_name)
     messages = body.message_dicts()
-    ids = await in_thread(_chat_ids, backend, messages)
+    ids = await asyncio.to_thread(_chat_ids, backend, messages)
     params = body.sampling_params(len(ids), backend.max_model_len)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = body.per_choice(params)
@@ -45,16 +42,10 @@ async def completion_choices(backend: Backend, body: CompletionRequest, model_na
     reqs: list[GenerateRequest] = []
     total = len(prompts) * body.n
     for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
-        ids = await in_thread(valid, lambda p=prompt: backend.tokenize(p))
+        ids = await asyncio.to_thread(valid, lambda p=prompt: backend.tokenize(p))
         choices = body.per_choice(body.sampling_params(len(ids), backend.max_model_len))
         reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
     return reqs, ResponseShape("text", rid, model_name, body.num_logprobs(), body.n)
-
-
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread: CPU work (JSON, templates, tokenizers) must not
-    hold up the event loop, where /health and every stream run."""
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args))
 
 
 def _choice_requests(

@@ -22,26 +22,27 @@ waits at a caller for a worker replica; in front of it, Serve's proxy queues at 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError
 
-from kvmesh.cluster.admission import Admission
+from kvmesh.cluster.admission import Admission, Admitted
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
 from kvmesh.cluster.metrics import ServeMetrics
-from kvmesh.cluster.openai_requests import chat_choices, completion_choices, in_thread
+from kvmesh.cluster.openai_requests import chat_choices, completion_choices
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.request_parsing import B, parse_dict
@@ -153,21 +154,20 @@ class KvmeshServer:
 
     async def _openai(self, body: dict[str, Any], model: type[B], choices: Any) -> Any:
         received = time.perf_counter()
-        parsed = await in_thread(parse_dict, body, model)
-        reqs, shape = await choices(self.backend, parsed, self.config.model_name)
-        if parsed.stream:
-            return self._openai_stream(reqs, shape, parsed.include_usage, received)
-        self._admit(len(reqs))
-        try:
-            return await self.generation.answer(reqs, shape, received)
-        finally:
-            self.admission.leave(len(reqs))
+        # One place before any parsing, as over HTTP (refused before its body is read): a
+        # flood of calls past the limit costs this replica no validating or tokenizing.
+        with self._admitted() as admitted:
+            parsed = await asyncio.to_thread(parse_dict, body, model)
+            reqs, shape = await choices(self.backend, parsed, self.config.model_name)
+            if not parsed.stream:
+                admitted.hold(len(reqs))
+                return await self.generation.answer(reqs, shape, received)
+        return self._openai_stream(reqs, shape, parsed.include_usage, received)
 
     async def _openai_stream(
         self, reqs: list[GenerateRequest], shape: ResponseShape, usage: bool, received: float
     ) -> AsyncIterator[dict[str, Any]]:
-        self._admit(len(reqs))  # at the first chunk asked for, as ``_stream``
-        try:
+        with self._admitted(len(reqs)):  # at the first chunk asked for, as ``_stream``
             opened = await self.generation.open(reqs)
             # Closed with this generator (the caller stopped reading): aborts the choices.
             async with contextlib.aclosing(
@@ -175,8 +175,6 @@ class KvmeshServer:
             ) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        finally:
-            self.admission.leave(len(reqs))
 
     async def generate(self, request: dict[str, Any]) -> Any:
         """The Python handle's entry point; see the module docstring. Over the admission
@@ -184,38 +182,31 @@ class KvmeshServer:
         req = parse_request(request)
         if request.get("stream"):
             return self._stream(req)
-        self._admit()
-        try:
+        with self._admitted():
             return completion_dict(await self.backend.generate(req))
-        finally:
-            self.admission.leave()
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        # Admitted at the first chunk asked for, inside the generator: its ``finally`` then
-        # gives the place back however the stream ends.
-        self._admit()
-        try:
+        # Admitted at the first chunk asked for, inside the generator, which gives the places
+        # back however it ends; a generator never started (a call without
+        # ``options(stream=True)``, which Serve refuses) holds none.
+        with self._admitted():
             async with contextlib.aclosing(self.backend.stream(req)) as chunks:
                 async for chunk in chunks:
                     yield chunk_dict(chunk)
-        finally:
-            self.admission.leave()
 
-    def _admit(self, places: int = 1) -> None:
-        """A place per choice, or Serve's ``BackPressureError`` (holding none)."""
+    @contextlib.contextmanager
+    def _admitted(self, choices: int = 1) -> Iterator[Admitted]:
+        """A place per choice held while inside; Serve's ``BackPressureError`` for an
+        ``Overloaded`` raised at entry, by a ``hold`` inside, or by the workers' queue."""
         try:
-            self.admission.enter()
-            try:
-                self.admission.grow(1, places - 1)
-            except Overloaded:
-                self.admission.leave()
-                raise
-        except Overloaded:
+            with self.admission.admit(choices) as admitted:
+                yield admitted
+        except Overloaded as e:
             raise BackPressureError(
                 num_queued_requests=self.admission.admitted,
                 max_queued_requests=self.admission.limit or 0,
                 status_code=OVERLOADED_STATUS,
-                retry_after_s=self.admission.retry_after_s,
+                retry_after_s=e.retry_after,
             ) from None
 
     async def stats(self) -> dict[str, Any]:

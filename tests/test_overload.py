@@ -8,10 +8,12 @@ admitted request gives the unloaded answer, nothing hangs, and afterwards it ser
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import http.client
 import json
+import logging
 import math
 import threading
 from collections.abc import Iterator
@@ -21,11 +23,14 @@ import pytest
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvmesh.cluster.admission import Admission
+from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.http_errors import Overloaded
 from kvmesh.cluster.launch import add_serve_args, config_from_args
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
+from kvmesh.cluster.replica_logs import ClientErrorsAtInfo
+from kvmesh.cluster.serve_app import KvmeshServer
 from kvmesh.cluster.worker_deployment import engine_config
 from tests.openai_helpers import MODEL, Spy, call
 from tests.openai_helpers import serve as serve_http
@@ -199,6 +204,63 @@ def test_a_request_holds_a_place_per_choice() -> None:
     admission.leave(10)
     with pytest.raises(RuntimeError):
         admission.leave()
+
+
+def test_admit_holds_every_choice_or_none() -> None:
+    admission = Admission(3)
+    with admission.admit(2) as admitted:
+        assert (admitted.places, admission.admitted) == (2, 2)
+        with pytest.raises(Overloaded):
+            admission.admit(2)  # one free place: refused, and it keeps none
+        assert admission.admitted == 2
+    assert admission.admitted == 0
+
+
+def test_a_handle_call_past_the_limit_is_refused_before_its_body_is_parsed() -> None:
+    """As over HTTP: a full ingress refuses a handle call (Serve's ``BackPressureError``)
+    without validating or tokenizing it, and a refused or rejected call holds no place."""
+    # The class under Serve's ingress wrapper (whose async __del__ a bare instance would
+    # leave unawaited), without its constructor: the methods under test use only admission.
+    server = object.__new__(KvmeshServer.__bases__[0])
+    server.admission = Admission(1, retry_after_s=2.5)
+    garbage = {"messages": 5}
+    server.admission.enter()  # the one place is taken
+    for method in (server.chat, server.completions):
+        with pytest.raises(BackPressureError) as refused:
+            asyncio.run(method(garbage))
+        assert refused.value.status_code == 429 and refused.value.retry_after_s == 3
+    server.admission.leave()
+    with pytest.raises(ApiError) as bad:
+        asyncio.run(server.chat(garbage))
+    assert bad.value.status == 400 and server.admission.admitted == 0
+
+
+def test_a_refused_handle_call_is_one_info_line_not_an_error_with_a_traceback() -> None:
+    """Serve logs whatever a replica's method raises as an ERROR with its traceback; a
+    client's error (a 4xx ``ApiError``, ``BackPressureError``) becomes one INFO line."""
+    logger = logging.getLogger("kvmesh.test.serve_like")
+    logger.propagate = False
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    logger.addFilter(ClientErrorsAtInfo())
+    raised = [
+        ApiError(400, "n: must be at least 1", param="n"),
+        BackPressureError(4, 4, status_code=429),
+        ApiError(500, "internal server error (ref x)", "server_error"),
+        RuntimeError("a bug"),
+    ]
+    for e in raised:
+        try:
+            raise e
+        except Exception:
+            logger.exception("Request failed.")
+    levels = [r.levelname for r in records]
+    assert levels == ["INFO", "INFO", "ERROR", "ERROR"]
+    assert records[0].getMessage() == "Request failed. Refused with 400: n: must be at least 1"
+    assert "Refused with 429: Request dropped due to backpressure" in records[1].getMessage()
+    assert [r.exc_info is None for r in records] == [True, True, False, False]
 
 
 def test_http_admission_counts_choices(local_backend: LocalBackend) -> None:

@@ -150,6 +150,9 @@ def test_handle_speaks_openai_bodies(unified) -> None:
         handle.completions.remote({**body, "n": 0}).result()
     assert bad.value.status == 400 and bad.value.body["error"]["param"] == "n"
     assert handle.ingress_stats.remote().result()["admitted"] == 0
+    # The caller's errors are one INFO line each in the replica's log, not ERROR tracebacks.
+    wait_for(lambda: "Refused with 400: n:" in replica_log("KvmeshServer"), 10, "the log line")
+    assert "kvmesh.cluster.api_error.ApiError" not in replica_log("KvmeshServer")
 
 
 def test_a_handle_stream_its_caller_cancels_aborts_every_choice(unified) -> None:
