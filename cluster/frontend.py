@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 from ray.serve import context as serve_context
 
@@ -61,6 +62,14 @@ def _is_lost(e: BaseException) -> bool:
     return isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError)
 
 
+def _current_actor() -> Any:
+    """This process's own actor handle (the ingress replica's), or None outside an actor."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
+
 class ClusterBackend:
     """``handles`` maps each role ("worker", or "prefill" and "decode") to its deployment."""
 
@@ -79,6 +88,7 @@ class ClusterBackend:
         self.max_model_len: int = self.info["max_model_len"]
         self.namespace: bytes = self.info["namespace"]
         self.index = get_index_actor(self.info["fingerprint"]) if config.connector else None
+        self.caller = _current_actor()
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -116,6 +126,7 @@ class ClusterBackend:
             chain,
             list(resumed),
             fingerprint=self.info["fingerprint"] if self.config.connector else None,
+            caller=self.caller,
         )
 
     # -- requests -----------------------------------------------------------------------------

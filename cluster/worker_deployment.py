@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 # Longest a request waits for a peer's in-flight prefix before it computes it itself.
 PENDING_WAIT_S = 60.0
 READY_TIMEOUT_S = 300.0  # model load on a cold node
+# Longest a caller's liveness check may take; one that does not answer is not known dead.
+CALLER_CHECK_TIMEOUT_S = 10.0
+# Health checks in a row the engine actor left unanswered before it counts as hung.
+HUNG_AFTER_SILENT_CHECKS = 2
 
 
 def worker_name(role: str, replica_unique_id: str) -> str:
@@ -119,6 +123,10 @@ class WorkerDeployment:
         self._closed = False
         # Prefixes requests here are waiting for (from a peer), by their last block's hash.
         self._arriving: dict[bytes, asyncio.Event] = {}
+        # The tasks running requests, by their caller's actor handle (see ``_watch_callers``).
+        self._callers: dict[Any, set[asyncio.Task]] = {}
+        self._watcher: asyncio.Task | None = None
+        self._silent_checks = 0  # health checks in a row the engine left unanswered
         logger.info("worker %s ready", self.name)
 
     async def worker_info(self) -> dict[str, Any]:
@@ -151,6 +159,7 @@ class WorkerDeployment:
         )
         finished = False
         first = True
+        task = self._watch(request.caller)
         try:
             async for ref in gen:
                 delta: StreamDelta = await ref
@@ -175,10 +184,57 @@ class WorkerDeployment:
             ray.kill(ray.get_runtime_context().current_actor)
             raise
         finally:
+            self._unwatch(request.caller, task)
             if not finished:
                 ray.cancel(gen)
             if plan is not None and plan.pending_id is not None and self.index is not None:
                 self.index.drop_pending.remote(plan.pending_id)
+
+    def _watch(self, caller: Any) -> asyncio.Task | None:
+        """Count the running request's task under its caller, and make sure someone checks
+        that the caller lives. None when there is no caller to watch."""
+        task = asyncio.current_task()
+        if caller is None or task is None:
+            return None
+        self._callers.setdefault(caller, set()).add(task)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch_callers())
+        return task
+
+    def _unwatch(self, caller: Any, task: asyncio.Task | None) -> None:
+        tasks = self._callers.get(caller) if task is not None else None
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._callers[caller]
+
+    async def _watch_callers(self) -> None:
+        """Every health-check period, abort the requests whose caller died. Ray does not
+        cancel an actor task when its caller dies, so a lost ingress replica's requests would
+        otherwise run to their ``max_tokens`` for nobody, holding batch places and blocks.
+        Cancelling the request's task is what Serve does when a caller cancels: the engine
+        aborts the request and frees its blocks."""
+        while self._callers:
+            await asyncio.sleep(self.config.health_check_period_s)
+            callers = list(self._callers)
+            checks = await asyncio.gather(
+                *(
+                    asyncio.wait_for(c.__ray_ready__.remote(), CALLER_CHECK_TIMEOUT_S)
+                    for c in callers
+                ),
+                return_exceptions=True,
+            )
+            for caller, check in zip(callers, checks, strict=True):
+                if not isinstance(check, RayActorError):
+                    continue  # alive, or busy or unreachable now: not known to be gone
+                tasks = self._callers.pop(caller, set())
+                logger.warning(
+                    "%s: the caller of %d running requests is gone; aborting them",
+                    self.name,
+                    len(tasks),
+                )
+                for t in tasks:
+                    t.cancel()
 
     async def _wait_for_peer(self, request: WorkerRequest) -> None:
         """Let a peer that is computing this prompt's prefix finish, then pull it. Requests
@@ -250,11 +306,31 @@ class WorkerDeployment:
         )
 
     async def check_health(self) -> None:
-        """Serve's health check: fails when the actor is gone or its step thread is stuck."""
-        await asyncio.wait_for(
-            self.actor.health.remote(self.config.health_stall_s),
-            self.config.health_check_period_s * 5,
-        )
+        """Serve's health check: fails when the actor is gone or its step thread is stuck.
+
+        An engine actor that answers nothing for ``HUNG_AFTER_SILENT_CHECKS`` checks in a
+        row is hung (its process stopped, a wedged device or driver) and is killed: its
+        running requests then fail over at once (this replica exits, the ingress migrates
+        them), where Serve would first drain the unhealthy replica for ``drain_timeout_s``
+        while they wait on a process that will not finish them. A step thread that reports
+        a stall is left to Serve's drain: a step may be slow, not lost."""
+        try:
+            await asyncio.wait_for(
+                self.actor.health.remote(self.config.health_stall_s),
+                self.config.health_check_period_s * 5,
+            )
+        except TimeoutError:
+            self._silent_checks += 1
+            if self._silent_checks >= HUNG_AFTER_SILENT_CHECKS:
+                logger.error(
+                    "worker %s: its engine answered no health check for %d checks in a row; "
+                    "killing it, so that its requests move to other workers",
+                    self.name,
+                    self._silent_checks,
+                )
+                ray.kill(self.actor, no_restart=True)
+            raise
+        self._silent_checks = 0
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the request router reads per replica (``RunningReplica.routing_stats``)."""

@@ -9,6 +9,7 @@ chosen replica, so the worker knows what the router counted on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.workers.sampling_params import SamplingParams
 
@@ -39,6 +40,9 @@ class WorkerRequest:
     resumed_ids: list[int] = field(default_factory=list)
     plan: Plan | None = None
     fingerprint: str | None = None  # the model's, which names its index (for the router)
+    # The sender's actor handle (an ingress replica): Ray does not cancel an actor task whose
+    # caller died, so the worker aborts the request itself once this actor is gone.
+    caller: Any = None
 
     @property
     def num_context_tokens(self) -> int:

@@ -8,9 +8,13 @@ a replacement, which registers with the index and serves; the index's loss costs
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
+from typing import Any
 
 import openai
+import psutil
 import pytest
 import ray
 from ray import serve
@@ -22,6 +26,7 @@ from tests.serve_helpers import (
     busy_worker,
     kill_worker,
     redeploy,
+    replica_log,
     running_replicas,
     tiny_config,
     undeploy,
@@ -142,6 +147,31 @@ def test_replacement_registers_and_pulls_a_prefix(app) -> None:
     assert any(o["kvmesh"]["pulled_tokens"] > 0 for o in served[1:])
 
 
+def test_a_hung_engine_is_killed_and_its_stream_moves(app) -> None:
+    """An engine that answers nothing (its process stopped, as a wedged device leaves it):
+    after two silent health checks its replica kills it and the stream moves to the other
+    worker with the unbroken run's tokens, instead of waiting out Serve's graceful drain of
+    an unhealthy replica (drain_timeout_s, 30 s) on a process that will not finish it."""
+    body = {**LONG, "temperature": 0}
+    unbroken = app.generate.remote(body).result()
+    stopped: dict[str, float] = {}
+    chunks = []
+    for chunk in app.options(stream=True).generate.remote({**body, "stream": True}):
+        chunks.append(chunk)
+        if len(chunks) == 5:
+            worker = wait_for(lambda: busy_worker(app), 10, "the busy worker")
+            engines = ray.get(get_index_actor(_fingerprint()).workers.remote())
+            pid = ray.get(engines[worker]["handle"].__ray_call__.remote(lambda _: os.getpid()))
+            os.kill(pid, signal.SIGSTOP)
+            stopped["at"] = time.monotonic()
+    took = time.monotonic() - stopped["at"]
+    assert [t for c in chunks for t in c["token_ids"]] == unbroken["token_ids"]
+    assert chunks[-1]["kvmesh"]["migrations"] == 1 and chunks[-1]["kvmesh"]["worker"] != worker
+    assert took < 20.0, f"the stream waited {took:.0f} s for its hung worker"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    _healed(app)
+
+
 def _fingerprint() -> str:
     """The served model's fingerprint (it names the index actor), from a worker replica."""
     workers = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", APP_NAME)
@@ -182,22 +212,59 @@ def test_index_killed_under_load_fails_no_request(app) -> None:
     assert outs[1]["kvmesh"]["computed_tokens"] < len(prompt)
 
 
-def test_a_client_that_hangs_up_frees_the_worker(served) -> None:
-    """A stream closed by its HTTP client is aborted on its worker within a second or two
-    (the request leaves the batch and frees its blocks)."""
-    app, config = served
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none")
+def _long_http_stream(app, config, max_tokens: int) -> Any:
+    """An HTTP stream of ``max_tokens`` (ignoring EOS), read for 10 chunks: its worker busy."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none", max_retries=0
+    )
     stream = client.completions.create(
         model=config.model_name,
         prompt=PROMPT,
-        max_tokens=1500,
+        max_tokens=max_tokens,
         stream=True,
         extra_body={"ignore_eos": True},
     )
     for _, _chunk in zip(range(10), stream, strict=False):
         pass
     assert wait_for(lambda: busy_worker(app), 10, "the busy worker")
+    return stream
+
+
+def test_a_client_that_hangs_up_frees_the_worker(served) -> None:
+    """A stream closed by its HTTP client is aborted on its worker within a second or two
+    (the request leaves the batch and frees its blocks)."""
+    app, config = served
+    stream = _long_http_stream(app, config, 1500)
     stream.close()
     closed = time.monotonic()
     wait_for(lambda: busy_worker(app) is None, 10, "the worker to drop the request", every=0.05)
     assert time.monotonic() - closed < 2.0
+
+
+def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -> None:
+    """An ingress replica killed mid-request: Ray does not cancel the worker's actor task
+    of a caller that died, so the worker replica checks its callers and aborts the request
+    within a few health-check periods, instead of running it to max_tokens for nobody."""
+    app, config = served
+    stream = _long_http_stream(app, config, 1900)
+    ingress = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#KvmeshServer#")
+    ]
+    assert len(ingress) == 1
+    ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
+    killed = time.monotonic()
+    aborted = "the caller of 1 running requests is gone; aborting them"
+    log = f"{WORKER_DEPLOYMENT_PREFIX}worker"
+    wait_for(lambda: aborted in replica_log(log), 10, "the worker to abort", every=0.1)
+    assert time.monotonic() - killed < 5.0
+    stream.close()
+
+    def idle() -> bool:
+        try:
+            return busy_worker(app) is None
+        except Exception:  # the handle's call reached the dead ingress: it is being replaced
+            return False
+
+    wait_for(idle, 60, "the replacement ingress to find the worker idle", every=0.5)
