@@ -13,6 +13,8 @@ One JSON line per scenario, each with ``scenario``, ``requests``, ``failed`` and
   has measured the slow pulls (``pulled_second_half`` 0 at 20 Mbit/s).
 - ``worker_killed``: a worker replica killed under mixed streaming / non-streaming load;
   seconds until the index no longer lists it.
+- ``worker_hung``: a busy worker's engine process stopped (SIGSTOP) under load: its replica
+  kills it after two silent health checks, its requests move; seconds until the index drops it.
 - ``index_killed``: the index actor killed under load; seconds until every worker rejoined.
 - ``client_disconnects``: long streams closed by their clients; seconds until the workers
   stopped them, blocks not freed.
@@ -44,8 +46,8 @@ from chaos_driver import summary  # noqa: E402
 
 from tests.two_hosts import TwoHosts, kvmesh_serve  # noqa: E402
 
-TWO_HOST = ("pull_1gbit", "pull_10gbit", "slow_link", "worker_killed", "index_killed",
-            "client_disconnects", "soak", "host_lost", "link_cut")  # fmt: skip
+TWO_HOST = ("pull_1gbit", "pull_10gbit", "slow_link", "worker_killed", "worker_hung",
+            "index_killed", "client_disconnects", "soak", "host_lost", "link_cut")  # fmt: skip
 # slow_link: the link's rate in each phase, fast first (the costs learned there carry over).
 SLOW_LINK_RATES = ("1gbit", "20mbit")
 
@@ -163,7 +165,7 @@ def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> N
             return
         n, tokens = (16, 200) if quick else (64, 400)
         with kvmesh_serve(hosts, flags) as url:
-            for s in ("worker_killed", "index_killed"):
+            for s in ("worker_killed", "worker_hung", "index_killed"):
                 if s in only:
                     emit(driver(hosts, s, "tiny-random", base_url=url, n=n, max_tokens=tokens))
             if "client_disconnects" in only:

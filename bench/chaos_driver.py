@@ -11,6 +11,8 @@ the link are chaos.py's, timed by the ``{"started": ...}`` line ``traffic`` prin
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -173,10 +175,10 @@ def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
     killed: dict[str, Any] = {}
 
     def fault() -> None:
-        busy = [w for w, ld in stats()["workers"].items() if ld["running"]]
-        killed["worker"] = busy[0]
+        busy = _busy_worker()
+        killed["worker"] = busy
         killed["at"] = time.monotonic()
-        kill_worker(busy[0])
+        kill_worker(busy)
         while killed["worker"] in stats().get("workers", {}):
             time.sleep(0.05)
         killed["purged_s"] = round(time.monotonic() - killed["at"], 2)
@@ -184,6 +186,58 @@ def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
     run = run_traffic(base_url, n, max_tokens, salt=1, fault=fault)
     _wait_for(lambda: "purged_s" in killed, 60)
     return summary("worker_killed", ref, run, index_purged_s=killed.get("purged_s"))
+
+
+def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
+    """A busy worker's engine process stopped (SIGSTOP; a wedged device answers nothing
+    either) under load: its replica must kill it after two silent health checks, so its
+    requests move, and the index must drop it. ``killed_by_replica`` says the replica did
+    (else the bench kills the stopped process itself afterwards)."""
+    ref = run_traffic(base_url, n, max_tokens, salt=4)
+    hung: dict[str, Any] = {}
+
+    def fault() -> None:
+        busy = _busy_worker()
+        engines = {w: m["handle"] for w, m in ray.get(_index().workers.remote()).items()}
+        pid = ray.get(engines[busy].__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        at = time.monotonic()
+        hung.update(worker=busy, pid=pid)
+        # (stats() stops listing a worker that does not answer within 2 s: ask the index.)
+        while time.monotonic() - at < 120 and ("killed_s" not in hung or "purged_s" not in hung):
+            if "killed_s" not in hung and not _alive(pid):
+                hung["killed_s"] = round(time.monotonic() - at, 2)
+            if "purged_s" not in hung and busy not in ray.get(_index().workers.remote()):
+                hung["purged_s"] = round(time.monotonic() - at, 2)
+            time.sleep(0.1)
+        hung["done"] = True
+
+    run = run_traffic(base_url, n, max_tokens, salt=4, fault=fault)
+    _wait_for(lambda: "done" in hung, 150)
+    gone = not _alive(hung["pid"])
+    if not gone:
+        os.kill(hung["pid"], signal.SIGKILL)
+    return summary("worker_hung", ref, run, engine_killed_s=hung.get("killed_s"),
+                   index_purged_s=hung.get("purged_s"), killed_by_replica=gone)  # fmt: skip
+
+
+def _busy_worker(within_s: float = 30.0) -> str:
+    """A worker running requests now (on a loaded box the load may take a while to arrive)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        busy = [w for w, ld in stats()["workers"].items() if ld["running"]]
+        if busy or time.monotonic() > deadline:
+            return busy[0]
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
@@ -336,6 +390,7 @@ SCENARIOS = {
     "pull": pull,
     "slow_link": slow_link,
     "worker_killed": worker_killed,
+    "worker_hung": worker_hung,
     "index_killed": index_killed,
     "client_disconnects": client_disconnects,
     "traffic": traffic_only,
