@@ -21,9 +21,10 @@ from typing import Any
 import ray
 from ray import serve
 
+from bench.chaos_slow_link import slow_link
 from kvmesh.cluster.serve_app import APP_NAME
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
-from tests.serve_helpers import kill_worker
+from tests.serve_helpers import kill_worker, process_alive
 from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
 
 SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
@@ -89,72 +90,6 @@ def pull(base_url: str, dev: str, rate: str, words: int) -> dict[str, Any]:
     }
 
 
-def slow_link(base_url: str, prefixes: int, followers: int, words: int, max_tokens: int) -> dict:
-    """kv_aware on the link as it is shaped now: for each of ``prefixes`` fresh long prompts,
-    one request computes it, then ``followers`` requests sharing it arrive together. The
-    holder has one queue, so the router sends some to the other worker, which pulls the
-    prefix or computes it, as the learned costs say. Each follower's prompt is asked again
-    at the end (a local hit) and must give the same text."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    rows, texts_seen = [], []
-    salt = int(time.time()) % 100000
-    with ThreadPoolExecutor(followers) as pool:
-        for i in range(prefixes):
-            head = prompt(words, salt=salt * 100 + i)
-            first = complete(base_url, head, 1)
-            tails = [prompt(4, salt=salt * 100 + i * 10 + j + 1) for j in range(followers)]
-            asks = [f"{head} {tail}" for tail in tails]
-            got = list(pool.map(lambda t: complete(base_url, t, max_tokens), asks))
-            holder = (first.get("kvmesh") or {}).get("worker")
-            for text, r in zip(asks, got, strict=True):
-                kv = r.get("kvmesh") or {}
-                moved = r["ok"] and kv.get("worker") != holder
-                rows.append({"ok": r["ok"], "moved": moved, "kv": kv, "prefix": i})
-                texts_seen.append((text, r.get("text")))
-            rows.append({"ok": first["ok"], "moved": False, "kv": first.get("kvmesh") or {}})
-    again = [complete(base_url, t, max_tokens) for t, _ in texts_seen]
-    wrong = sum(a["ok"] and a["text"] != t for a, (_, t) in zip(again, texts_seen, strict=True))
-    moved = [r for r in rows if r["moved"]]
-    pulled = [r for r in moved if r["kv"].get("pulled_tokens")]
-    computed = [r for r in moved if not r["kv"].get("pulled_tokens")]
-
-    def median_ttft(rs: list[dict]) -> float | None:
-        v = sorted(r["kv"]["ttft_ms"] for r in rs)
-        return v[len(v) // 2] if v else None
-
-    half = prefixes // 2
-    return {
-        "requests": len(rows) + len(again),
-        "failed": sum(not r["ok"] for r in rows) + sum(not a["ok"] for a in again),
-        "wrong": wrong,
-        "prompt_tokens": rows[-1]["kv"].get("computed_tokens"),
-        "moved": len(moved),
-        "moved_pulled": len(pulled),
-        "moved_computed": len(computed),
-        "pulled_first_half": sum(r["prefix"] < half for r in pulled),
-        "pulled_second_half": sum(r["prefix"] >= half for r in pulled),
-        # A pull of the few blocks a peer finished first is cheap on any link; a whole
-        # prefix over a slow one is what must stop.
-        "max_pull_tokens_second_half": max(
-            (r["kv"]["pulled_tokens"] for r in pulled if r["prefix"] >= half), default=0
-        ),
-        "ttft_pulled_ms": median_ttft(pulled),
-        "ttft_computed_ms": median_ttft(computed),
-        # Per prefix, each follower: "h" at the holder, "p" moved and pulled, "c" moved and
-        # computed; its TTFT in ms.
-        "placements": [
-            " ".join(
-                f"{'p' if r['kv'].get('pulled_tokens') else 'c' if r['moved'] else 'h'}"
-                f"{round(r['kv'].get('ttft_ms') or 0)}"
-                for r in rows
-                if r.get("prefix") == i
-            )
-            for i in range(prefixes)
-        ],
-    }
-
-
 def _bits(rate: str) -> float:
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
     for unit, mult in units.items():
@@ -205,7 +140,7 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
         hung.update(worker=busy, pid=pid)
         # (stats() stops listing a worker that does not answer within 2 s: ask the index.)
         while time.monotonic() - at < 120 and ("killed_s" not in hung or "purged_s" not in hung):
-            if "killed_s" not in hung and not _alive(pid):
+            if "killed_s" not in hung and not process_alive(pid):
                 hung["killed_s"] = round(time.monotonic() - at, 2)
             if "purged_s" not in hung and busy not in ray.get(_index().workers.remote()):
                 hung["purged_s"] = round(time.monotonic() - at, 2)
@@ -214,7 +149,7 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
 
     run = run_traffic(base_url, n, max_tokens, salt=4, fault=fault)
     _wait_for(lambda: "done" in hung, 150)
-    gone = not _alive(hung["pid"])
+    gone = not process_alive(hung["pid"])
     if not gone:
         os.kill(hung["pid"], signal.SIGKILL)
     return summary("worker_hung", ref, run, engine_killed_s=hung.get("killed_s"),
@@ -229,15 +164,6 @@ def _busy_worker(within_s: float = 30.0) -> str:
         if busy or time.monotonic() > deadline:
             return busy[0]
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:

@@ -55,6 +55,16 @@ def kill_worker(worker: str) -> None:
     ray.kill(replica_actor(worker), no_restart=True)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def running_replicas(role: str = "worker") -> int:
     """How many of the role's replicas Serve reports RUNNING."""
     app = serve.status().applications[APP_NAME]

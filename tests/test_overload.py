@@ -1,21 +1,19 @@
 """Overload: queues are bounded end to end, and the excess is refused at once.
 
-Admission as a unit (the bound, OpenAI's 429 body, Retry-After, the schema), Serve's
-``BackPressureError`` from a worker deployment mapped to a 429 too, and the Serve app on real
-Ray under a burst far above its limit: every answer is a 200 or a 429 with Retry-After, every
-admitted request gives the unloaded answer, nothing hangs, and afterwards it serves normally.
+The limit from the config and flags, a full server's 429 (OpenAI's body, Retry-After, the
+schema), places per choice over HTTP, Serve's ``BackPressureError`` from a worker deployment
+mapped to a 429 too, and the Serve app on real Ray under a burst far above its limit: every
+answer is a 200 or a 429 with Retry-After, every admitted request gives the unloaded answer,
+nothing hangs, and afterwards it serves normally. Admission as a unit: test_admission.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import http.client
 import json
-import logging
 import math
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,14 +21,10 @@ import pytest
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvmesh.cluster.admission import Admission
-from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.http_errors import Overloaded
 from kvmesh.cluster.launch import add_serve_args, config_from_args
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
-from kvmesh.cluster.replica_logs import ClientErrorsAtInfo
-from kvmesh.cluster.serve_app import KvmeshServer
 from kvmesh.cluster.worker_deployment import engine_config
 from tests.openai_helpers import MODEL, Spy, call
 from tests.openai_helpers import serve as serve_http
@@ -86,31 +80,7 @@ def check_refusal(headers: dict[str, str], body: Any, retry_after_s: float) -> N
     assert "overloaded" in error["message"]
 
 
-# -- the bound, without Ray -------------------------------------------------------------------
-
-
-def test_admission_admits_up_to_its_limit_and_refuses_the_rest_at_once() -> None:
-    admission = Admission(3, retry_after_s=2.5)
-    for _ in range(3):
-        admission.enter()
-    with pytest.raises(Overloaded) as refused:
-        admission.enter()
-    assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "3"}
-    assert (admission.admitted, admission.refused) == (3, 1)
-    admission.leave()
-    admission.enter()  # a place given back is a place again
-    for _ in range(3):
-        admission.leave()
-    with pytest.raises(RuntimeError):
-        admission.leave()
-    unbounded = Admission(None)
-    for _ in range(10_000):
-        unbounded.enter()
-    for bad in (0, -1, True, 2.0):
-        with pytest.raises(ValueError, match="limit"):
-            Admission(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="retry_after_s"):
-        Admission(1, retry_after_s=float("nan"))
+# -- the limit and the 429, without Ray ----------------------------------------------------------
 
 
 def test_the_limit_is_the_workers_batch_share_plus_the_queue() -> None:
@@ -183,84 +153,6 @@ def test_a_full_server_answers_429_at_once_and_health_stays_open(
         wait_for(lambda: admission.admitted == 0, 30, "the places given back")
         status, _, body = post(port, {**long, "max_tokens": 4})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
-
-
-def test_a_request_holds_a_place_per_choice() -> None:
-    admission = Admission(4)
-    admission.enter()
-    admission.grow(1, 2)  # a request of 3 choices
-    assert admission.admitted == 3
-    admission.enter()  # the last place
-    with pytest.raises(Overloaded, match="need 1 more places than the 0 free"):
-        admission.grow(1, 1)  # 2 choices: refused, and it keeps the one it held
-    assert (admission.admitted, admission.refused) == (4, 1)
-    admission.leave(3), admission.leave()
-    # More choices than the limit: only alone, so that it can run at all.
-    admission.enter()
-    admission.grow(1, 9)
-    assert admission.admitted == 10
-    with pytest.raises(Overloaded):
-        admission.enter()
-    admission.leave(10)
-    with pytest.raises(RuntimeError):
-        admission.leave()
-
-
-def test_admit_holds_every_choice_or_none() -> None:
-    admission = Admission(3)
-    with admission.admit(2) as admitted:
-        assert (admitted.places, admission.admitted) == (2, 2)
-        with pytest.raises(Overloaded):
-            admission.admit(2)  # one free place: refused, and it keeps none
-        assert admission.admitted == 2
-    assert admission.admitted == 0
-
-
-def test_a_handle_call_past_the_limit_is_refused_before_its_body_is_parsed() -> None:
-    """As over HTTP: a full ingress refuses a handle call (Serve's ``BackPressureError``)
-    without validating or tokenizing it, and a refused or rejected call holds no place."""
-    # The class under Serve's ingress wrapper (whose async __del__ a bare instance would
-    # leave unawaited), without its constructor: the methods under test use only admission.
-    server = object.__new__(KvmeshServer.__bases__[0])
-    server.admission = Admission(1, retry_after_s=2.5)
-    garbage = {"messages": 5}
-    server.admission.enter()  # the one place is taken
-    for method in (server.chat, server.completions):
-        with pytest.raises(BackPressureError) as refused:
-            asyncio.run(method(garbage))
-        assert refused.value.status_code == 429 and refused.value.retry_after_s == 3
-    server.admission.leave()
-    with pytest.raises(ApiError) as bad:
-        asyncio.run(server.chat(garbage))
-    assert bad.value.status == 400 and server.admission.admitted == 0
-
-
-def test_a_refused_handle_call_is_one_info_line_not_an_error_with_a_traceback() -> None:
-    """Serve logs whatever a replica's method raises as an ERROR with its traceback; a
-    client's error (a 4xx ``ApiError``, ``BackPressureError``) becomes one INFO line."""
-    logger = logging.getLogger("kvmesh.test.serve_like")
-    logger.propagate = False
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    logger.addFilter(ClientErrorsAtInfo())
-    raised = [
-        ApiError(400, "n: must be at least 1", param="n"),
-        BackPressureError(4, 4, status_code=429),
-        ApiError(500, "internal server error (ref x)", "server_error"),
-        RuntimeError("a bug"),
-    ]
-    for e in raised:
-        try:
-            raise e
-        except Exception:
-            logger.exception("Request failed.")
-    levels = [r.levelname for r in records]
-    assert levels == ["INFO", "INFO", "ERROR", "ERROR"]
-    assert records[0].getMessage() == "Request failed. Refused with 400: n: must be at least 1"
-    assert "Refused with 429: Request dropped due to backpressure" in records[1].getMessage()
-    assert [r.exc_info is None for r in records] == [True, True, False, False]
 
 
 def test_http_admission_counts_choices(local_backend: LocalBackend) -> None:
@@ -407,24 +299,3 @@ def test_a_burst_far_above_the_limit_is_refused_fast_and_the_admitted_are_right(
         assert status == 400 and "context of 64 tokens" in body["error"]["message"], body
     finally:
         undeploy()
-
-
-def test_threads_share_one_admission_exactly() -> None:
-    """Serve may run the handle's methods and the ASGI app on different threads."""
-    admission = Admission(50)
-    got = []
-
-    def grab() -> None:
-        for _ in range(200):
-            try:
-                admission.enter()
-                got.append(1)
-            except Overloaded:
-                pass
-
-    threads = [threading.Thread(target=grab) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(got) == 50 and admission.admitted == 50 and admission.refused == 8 * 200 - 50
