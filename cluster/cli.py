@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvmesh import __version__
-from kvmesh.cluster.launch import DeployFailed
+from kvmesh.cluster.launch import ClusterTaken, DeployFailed
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from kvmesh.cluster.launch import config_from_args, serve_forever
 
-            serve_forever(config_from_args(args), args.address)
+            serve_forever(config_from_args(args), args.address, args.replace)
         elif args.command == "demo" and args.single:
             from kvmesh.cluster.engine_demo import run_demo
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 2
-    except (ConnectionError, DeployFailed) as e:  # a cluster that does not answer; a failed app
+    except (ConnectionError, DeployFailed, ClusterTaken) as e:  # no cluster; a failed app; taken
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,7 +1,8 @@
 """`kvmesh serve`: join a running Ray cluster (or start a local one), deploy, serve, stop.
 
-Ctrl-C or SIGTERM shuts Serve down and, when this process started Ray, Ray too: no Ray
-process is left behind.
+Ctrl-C, SIGTERM or SIGHUP deletes the app and, when this process started them and nothing
+else runs on them, shuts Serve and Ray down: no Ray process is left behind, and another
+app on a shared cluster is left alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 from kvmesh.cluster.config import ServeConfig, load_yaml
@@ -97,6 +99,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Ray cluster to join (default: auto, a running one, else start a local one); "
         "'local' always starts a new local one",
     )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace a kvmesh app already deployed on the cluster (e.g. one whose "
+        "`kvmesh serve` was killed); without it, the command refuses",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -163,6 +171,89 @@ class DeployFailed(RuntimeError):
     """The app did not come up; the message is the cause a replica gave, without traceback."""
 
 
+class ClusterTaken(RuntimeError):
+    """What this command would deploy collides with what Serve already runs on the cluster."""
+
+
+# An app in these states is someone's running deployment; a failed or deleting one is not.
+_LIVE_APP_STATES = ("DEPLOYING", "RUNNING", "UNHEALTHY")
+
+
+def _serve_details() -> Any:
+    """The running Serve's ``ServeInstanceDetails`` (None: Serve does not run). Serve's
+    client is the one way to read its HTTP options and user configs without starting it."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else ServeInstanceDetails(**client.get_serve_details())
+
+
+def app_owner(details: Any) -> str | None:
+    """Who deployed the cluster's kvmesh app (its ingress's user_config), if one runs."""
+    from kvmesh.cluster.serve_app import APP_NAME, INGRESS_DEPLOYMENT
+
+    app = details.applications.get(APP_NAME) if details is not None else None
+    ingress = app.deployments.get(INGRESS_DEPLOYMENT) if app is not None else None
+    user_config = ingress.deployment_config.user_config if ingress is not None else None
+    return (user_config or {}).get("owner")
+
+
+def new_owner() -> str:
+    """This command's name as an app's owner: unique, and telling an operator where it runs."""
+    return f"`kvmesh serve` pid {os.getpid()} on {socket.gethostname()} at {time.ctime()}"
+
+
+def check_serve_free(config: ServeConfig, replace: bool = False) -> bool:
+    """Refuse, before deploying, what Serve would otherwise do silently on a shared cluster:
+    replace a running kvmesh app (another `kvmesh serve`'s), or ignore our host and port
+    (Serve has one HTTP address per cluster; a later ``serve.start`` only logs that it
+    differs). Returns whether Serve was already running."""
+    from kvmesh.cluster.serve_app import APP_NAME
+
+    details = _serve_details()
+    if details is None:
+        return False
+    for name, app in details.applications.items():
+        if str(app.status).rsplit(".", 1)[-1] not in _LIVE_APP_STATES:
+            continue
+        if name == APP_NAME and not replace:
+            by = app_owner(details) or "another deployment"
+            raise ClusterTaken(
+                f"this Ray cluster already runs a kvmesh app, deployed by {by}; stop that "
+                "first, or pass --replace to replace it"
+            )
+        if name != APP_NAME and app.route_prefix == "/":
+            raise ClusterTaken(f"the Serve app {name!r} already serves route / on this cluster")
+    http = details.http_options
+    if http is not None and (http.host, http.port) != (config.host, config.port):
+        raise ClusterTaken(
+            f"Serve on this cluster listens on {http.host}:{http.port} (one HTTP address per "
+            f"cluster); pass --host {http.host} --port {http.port}"
+        )
+    return True
+
+
+def stop_serving(started_serve: bool, owner: str) -> None:
+    """Delete the kvmesh app if ``owner`` deployed it, and shut Serve down only when this
+    command started it and no other app runs on it: another tenant's app, or a
+    ``--replace`` that took ours over, survives our stop."""
+    from ray import serve
+
+    from kvmesh.cluster.serve_app import APP_NAME
+
+    details = _serve_details()
+    if details is None:
+        return
+    now = app_owner(details)
+    if now == owner:
+        serve.delete(APP_NAME)
+    elif now is not None:
+        print(f"kvmesh: the app is now {now}'s (--replace); left it running", flush=True)
+    if started_serve and not serve.status().applications:
+        serve.shutdown()
+
+
 def _deploy_failure(app_name: str) -> str:
     """What Serve recorded about a failed deployment of ``app_name``: the last line of the
     first failed deployment's message (the exception a replica raised), else Serve's own."""
@@ -181,13 +272,13 @@ def _deploy_failure(app_name: str) -> str:
     return (app.message or "the deployment failed").splitlines()[0]
 
 
-def serve_forever(config: ServeConfig, address: str = "auto") -> None:
-    """Deploy and serve until Ctrl-C or SIGTERM. Either signal also stops a deployment that
-    is still coming up (e.g. waiting for resources that never appear); a deployment that
-    fails raises ``DeployFailed`` naming the replica's error."""
+def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = False) -> None:
+    """Deploy and serve until Ctrl-C, SIGTERM or SIGHUP (a closed terminal). Each also stops
+    a deployment that is still coming up (e.g. waiting for resources that never appear); a
+    deployment that fails raises ``DeployFailed`` naming the replica's error; one that would
+    collide with what the cluster's Serve runs raises ``ClusterTaken`` before deploying."""
     started_ray = connect_ray(config, address)  # first: it sets Ray's auth mode before import
     import ray
-    from ray import serve
 
     from kvmesh.cluster.serve_app import APP_NAME, deploy
 
@@ -199,11 +290,18 @@ def serve_forever(config: ServeConfig, address: str = "auto") -> None:
         if deploying:  # serve.run waits for the replicas: interrupt the wait
             raise _Stop
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    try:
+        serve_was_running = check_serve_free(config, replace)
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    owner = new_owner()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
         try:
-            deploy(config)
+            deploy(config, owner)
         except RuntimeError as e:
             if "Deploying application" not in str(e):
                 raise
@@ -221,9 +319,9 @@ def serve_forever(config: ServeConfig, address: str = "auto") -> None:
         never_up, deploying = deploying, False  # a second signal must not cut the teardown
         try:
             # An app that never came up has nothing to drain: with our own Ray, its shutdown
-            # ends every replica at once (serve.shutdown waits ~30 s on pending ones).
+            # ends every replica at once (serve.delete waits ~30 s on pending ones).
             if not (never_up and started_ray):
-                serve.shutdown()
+                stop_serving(started_serve=not serve_was_running, owner=owner)
         finally:
             if started_ray:
                 ray.shutdown()

@@ -52,6 +52,7 @@ from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 APP_NAME = "kvmesh"
+INGRESS_DEPLOYMENT = "KvmeshServer"
 WORKER_DEPLOYMENT_PREFIX = "kvmesh-"
 # Ingress slots beyond the admitted requests: refusals (answered at once) and the cheap routes
 # (/health, /metrics, /v1/models) need them under overload; Serve's proxy queues at most as
@@ -127,6 +128,11 @@ class KvmeshServer:
         self.admission = Admission(self.config.admission_limit, self.config.retry_after_s)
         self.metrics = ServeMetrics()  # its latency histograms count handle requests too
         self.generation = Generation(self.backend, self.metrics)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's user_config; it carries only ``owner``: who deployed the app (``kvmesh
+        serve`` sets it, see ``launch.check_serve_free``)."""
+        self.owner = user_config.get("owner")
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvmesh.cluster.openai_api import build_api
@@ -297,17 +303,18 @@ def _worker_bundle(config: ServeConfig) -> dict[str, float]:
     return bundle
 
 
-def build_app(args: dict[str, Any]) -> serve.Application:
+def build_app(args: dict[str, Any], owner: str | None = None) -> serve.Application:
     """The Serve application for ``args`` (ServeConfig fields); a Serve ``import_path``.
 
     Deployments: ``kvmesh-worker`` (or ``kvmesh-prefill`` + ``kvmesh-decode``) and the
-    ingress ``KvmeshServer``.
+    ingress ``KvmeshServer``. ``owner`` names who deploys it (in the ingress's user_config,
+    where ``serve status`` and a later ``kvmesh serve`` read it).
     """
     config = ServeConfig.from_dict(dict(args or {}))
     workers = {role: _worker_deployment(config, role, c, m) for role, c, m in config.roles}
     ingress = serve.deployment(
         KvmeshServer,
-        name="KvmeshServer",
+        name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
         # Admission refuses past admission_limit itself (OpenAI's body); Serve's own bounds
         # sit above it so that they never refuse first.
@@ -317,6 +324,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         # The workers need the cores.
         ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress_resources)},
     )
+    if owner is not None:
+        ingress = ingress.options(user_config={"owner": owner})
     return ingress.bind(config.to_dict(), workers)
 
 
@@ -326,8 +335,8 @@ def _backpressure(config: ServeConfig) -> BackpressureConfig:
     return BackpressureConfig(status_code=OVERLOADED_STATUS, retry_after_s=config.retry_after_s)
 
 
-def deploy(config: ServeConfig) -> serve.handle.DeploymentHandle:
+def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.DeploymentHandle:
     """Run the app on the connected Ray cluster (HTTP on config.host:config.port) and return
     its handle. Call ``ray.init`` first, or this joins/starts one as Serve does."""
     serve.start(http_options={"host": config.host, "port": config.port})
-    return serve.run(build_app(config.to_dict()), name=APP_NAME, route_prefix="/")
+    return serve.run(build_app(config.to_dict(), owner), name=APP_NAME, route_prefix="/")

@@ -1,5 +1,5 @@
 """`kvmesh serve` as a user runs it: a process that starts its own Ray, serves, and on
-SIGTERM shuts down leaving no Ray process behind."""
+SIGTERM or SIGHUP (its terminal closed) shuts down leaving no Ray process behind."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def start(cmd: list[str]) -> subprocess.Popen:
 
 
 def test_serve_answers_then_shuts_down_cleanly() -> None:
+    """Stopped by SIGHUP, which a closed terminal sends (before: the process died at once,
+    without its teardown)."""
     port = free_port()
     flags = ["--address", "local", "--block-size", "4", "--kv-cache-memory", "8MiB"]
     proc = start(serve_cmd(port, *flags, "--api-key", "sekret"))
@@ -67,7 +69,7 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong").models.list()
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGHUP)
         try:
             out, _ = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,72 @@
+"""`kvmesh serve` on a Ray cluster whose Serve already runs apps: it neither replaces a running
+kvmesh app nor serves on an address other than the one it prints, and its stop deletes only
+its own app. Before, a second `kvmesh serve` silently replaced the first (whose stop then
+deleted the second's), printed a port Serve ignored, and a stop shut all of Serve down."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from ray import serve
+
+from kvmesh.cluster.launch import ClusterTaken, check_serve_free, stop_serving
+from kvmesh.cluster.serve_app import APP_NAME, deploy
+from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.serve_helpers import SERVE_PORT, tiny_config, undeploy
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
+
+OTHER_APP = "someone-elses"
+FIRST, SECOND = "`kvmesh serve` pid 1 on host-a", "`kvmesh serve` pid 2 on host-b"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Hello:
+    def __call__(self, request: object) -> str:
+        return "hello"
+
+
+@pytest.fixture(scope="module")
+def two_apps() -> Iterator[None]:
+    """A kvmesh app at / (deployed by FIRST) and another tenant's app at /other, on the
+    session's Serve."""
+    undeploy()
+    deploy(tiny_config(), owner=FIRST)
+    serve.run(Hello.bind(), name=OTHER_APP, route_prefix="/other")
+    yield
+    undeploy()
+    serve.delete(OTHER_APP)
+
+
+def other_app_answers() -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{SERVE_PORT}/other", timeout=10) as r:
+        return r.read() == b"hello"
+
+
+@pytest.mark.usefixtures("two_apps")
+def test_a_second_kvmesh_serve_is_refused_unless_it_replaces() -> None:
+    with pytest.raises(ClusterTaken, match=rf"kvmesh app, deployed by {FIRST}; .*--replace"):
+        check_serve_free(tiny_config())
+    assert check_serve_free(tiny_config(), replace=True) is True  # Serve was running
+
+
+@pytest.mark.usefixtures("two_apps")
+def test_a_port_serve_would_ignore_is_refused() -> None:
+    with pytest.raises(ClusterTaken, match=f"listens on 127.0.0.1:{SERVE_PORT}.*--port"):
+        check_serve_free(tiny_config(port=SERVE_PORT + 1), replace=True)
+
+
+@pytest.mark.usefixtures("two_apps")
+def test_stop_deletes_only_its_own_app() -> None:
+    # SECOND replaced FIRST's app (--replace): FIRST's stop leaves it, and Serve, running.
+    deploy(tiny_config(), owner=SECOND)
+    stop_serving(started_serve=True, owner=FIRST)
+    assert APP_NAME in serve.status().applications
+    # SECOND's stop deletes it; the other tenant's app and Serve stay, although this stop
+    # claims to have started Serve.
+    stop_serving(started_serve=True, owner=SECOND)
+    assert APP_NAME not in serve.status().applications
+    assert other_app_answers()
+    assert check_serve_free(tiny_config()) is True  # and a new kvmesh serve may deploy
