@@ -303,6 +303,11 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
         try:
             deploy(config, owner)
         except RuntimeError as e:
+            if "Failed to bind to address" in str(e):  # Serve's proxy, in a RayTaskError
+                raise DeployFailed(
+                    f"port: {config.host}:{config.port} is in use (Serve's HTTP proxy could "
+                    "not bind it); pass another --port"
+                ) from None
             if "Deploying application" not in str(e):
                 raise
             raise DeployFailed(_deploy_failure(APP_NAME)) from None

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -142,3 +143,21 @@ def test_a_worker_that_cannot_start_is_named_with_its_error() -> None:
     assert last.startswith("kvmesh: error: kvmesh-worker failed to start: ValueError: "), last
     assert "max_model_len: 512 tokens do not fit in the KV cache, which holds 128" in last
     assert "Traceback" not in out.stderr
+
+
+def test_a_port_in_use_is_named_without_a_traceback() -> None:
+    """Serve's proxy cannot bind the port: one line says so (before: a traceback of
+    ``ProxyActor.ready`` with its pid and actor id)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            serve_cmd(port, "--address", "local"), env=ENV, capture_output=True, text=True,
+            timeout=180,
+        )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == f"kvmesh: error: port: 127.0.0.1:{port} is in use (Serve's HTTP proxy " \
+        "could not bind it); pass another --port", last  # fmt: skip
+    assert "Traceback" not in out.stderr and "actor_id" not in out.stderr
