@@ -25,6 +25,7 @@ from bench.chaos_slow_link import slow_link
 from kvmesh.cluster.serve_app import APP_NAME
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
 from tests.serve_helpers import kill_worker, process_alive
+from tests.two_hosts import rate_bits
 from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
 
 SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
@@ -69,7 +70,7 @@ def pull(base_url: str, dev: str, rate: str, words: int) -> dict[str, Any]:
     hit = complete(base_url, text, 1)  # round robin: back on the first worker, a local hit
     pulled_bytes = after["pull_bytes"] - before["pull_bytes"]
     pull_s = after["pull_s"] - before["pull_s"]
-    rate_bps = _bits(rate)
+    rate_bps = rate_bits(rate)
     ok = first["ok"] and second["ok"] and hit["ok"]
     kv = [r.get("kvmesh") or {} for r in (first, second, hit)]
     return {
@@ -88,14 +89,6 @@ def pull(base_url: str, dev: str, rate: str, words: int) -> dict[str, Any]:
         "ttft_pulled_ms": kv[1].get("ttft_ms"),
         "ttft_local_hit_ms": kv[2].get("ttft_ms"),
     }
-
-
-def _bits(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, mult in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * mult
-    raise ValueError(f"rate: use kbit, mbit or gbit, got {rate!r}")
 
 
 def run_traffic(base_url: str, n: int, max_tokens: int, salt: int, fault: Any = None) -> dict:
@@ -271,7 +264,8 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
     watched = {k: h for k, h in _processes().items() if k in (survivor, "ingress")}
     before = {k: _footprint(h) for k, h in watched.items()}
     runs, faults = [], 0
-    end = time.monotonic() + seconds
+    start = time.monotonic()
+    end = start + seconds
     next_fault = time.monotonic() + kill_every_s
     while time.monotonic() < end:
         fault = None
@@ -288,7 +282,7 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
     time.sleep(5.0)  # leases of the last pulls end; stats settle
     after = {k: _footprint(h) for k, h in watched.items()}
     workers = _processes()
-    merged = {"results": [r for run in runs for r in run["results"]], "seconds": 0.0}
+    merged = {"results": [r for run in runs for r in run["results"]], "seconds": end - start}
     ref_all = {"results": ref["results"] * len(runs), "seconds": ref["seconds"]}
     return summary(
         "soak", ref_all, merged,

@@ -201,7 +201,7 @@ class TwoHosts:
             tc = ("ip", "netns", "exec", h.netns, "tc", "qdisc")
             _sh(*tc, "del", "dev", h.dev, "root", check=False)
             if rate:
-                limit = ("tbf", "rate", rate, "burst", "1mb", "latency", "400ms")
+                limit = ("tbf", "rate", rate, "burst", _burst(rate), "latency", "400ms")
                 _sh(*tc, "add", "dev", h.dev, "root", *limit)
         self.rate = rate
 
@@ -331,3 +331,20 @@ def kvmesh_serve(
 def serve_log(hosts: TwoHosts) -> str:
     """The end of ``kvmesh serve``'s output (for a failure message)."""
     return (hosts.dir / "serve.log").read_text()[-4000:]
+
+
+def rate_bits(rate: str) -> float:
+    """A tc rate ("20mbit", "1gbit") in bits per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, mult in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * mult
+    raise ValueError(f"rate: use kbit, mbit or gbit, got {rate!r}")
+
+
+def _burst(rate: str) -> str:
+    """tbf's bucket for ``rate``: 8 ms of it, between 16 KiB and 1 MiB. tbf sends a full
+    bucket at line rate after the link was idle, so a fixed 1 MiB let a slow link pass a
+    whole tiny-random prefix (0.9 MB) unshaped; fast rates need a big bucket to reach their
+    rate at all (a bucket refills once per timer tick)."""
+    return str(min(max(int(rate_bits(rate) / 8 * 0.008), 16 << 10), 1 << 20))
