@@ -130,9 +130,9 @@ class KvmeshServer:
         self.generation = Generation(self.backend, self.metrics)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Serve's user_config; it carries only ``owner``: who deployed the app (``kvmesh
-        serve`` sets it, see ``launch.check_serve_free``)."""
-        self.owner = user_config.get("owner")
+        """Serve's user_config carries only ``owner``, who deployed the app: ``kvmesh serve``
+        reads it back from Serve (``launch.app_owner``); the replica needs nothing from it,
+        but Serve wants this method wherever a user_config is set."""
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvmesh.cluster.openai_api import build_api
