@@ -266,7 +266,7 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
     runs, faults = [], 0
     start = time.monotonic()
     end = start + seconds
-    next_fault = time.monotonic() + kill_every_s
+    next_fault = start + kill_every_s
     while time.monotonic() < end:
         fault = None
         if time.monotonic() >= next_fault:
