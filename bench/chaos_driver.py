@@ -6,6 +6,10 @@ prints its figures as one JSON line. Requests go over HTTP with the official cli
 (tests/two_hosts_client.py); faults inside Ray (a worker replica, the index actor) are
 injected from here through a Ray driver joined to the cluster; faults of a whole host or of
 the link are chaos.py's, timed by the ``{"started": ...}`` line ``traffic`` prints first.
+
+The no-fault reference each scenario's outputs are checked against is computed here, by an
+in-process engine on the same model (greedy: a served output differs from it only if the
+fault changed it): seconds, where a fault-free run through the cluster took a minute.
 """
 
 from __future__ import annotations
@@ -39,6 +43,36 @@ def texts(n: int, salt: int) -> list[str]:
     return [f"{SHARED} {prompt(12, salt=salt * 1000 + i)}" for i in range(n)]
 
 
+def reference(n: int, max_tokens: int, salt: int) -> dict[str, Any]:
+    """The no-fault outputs of ``traffic``'s requests for ``texts(n, salt)``, in order, from
+    an in-process engine: each streamed request's text as its deltas join, each other's as
+    its output gives it (as the API serves them)."""
+    from kvmesh import LLM, SamplingParams
+
+    start = time.perf_counter()
+    global _reference_llm
+    if _reference_llm is None:
+        _reference_llm = LLM(MODEL, num_kv_blocks=REFERENCE_BLOCKS, progress=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    ask = texts(n, salt)
+    joined: dict[str, list[str]] = {}
+    finished: dict[str, Any] = {}  # request id -> its RequestOutput
+    for delta in _reference_llm.stream(ask, params):
+        joined.setdefault(delta.request_id, []).append(delta.text)
+        if delta.output is not None:
+            finished[delta.request_id] = delta.output
+    by_text = {out.prompt: (rid, out.text) for rid, out in finished.items()}
+    results = []
+    for i, text in enumerate(ask):
+        rid, whole = by_text[text]
+        results.append({"ok": True, "text": "".join(joined[rid]) if i % 2 else whole})
+    return {"results": results, "seconds": round(time.perf_counter() - start, 3)}
+
+
+_reference_llm: Any = None
+REFERENCE_BLOCKS = 8192  # 64 prompts of ~550 tokens in 16-token blocks, with room
+
+
 def summary(name: str, ref: dict, run: dict, **figures: Any) -> dict[str, Any]:
     """The common columns: requests, failed, wrong (an output unlike the no-fault run's)."""
     results = run["results"]
@@ -54,7 +88,6 @@ def summary(name: str, ref: dict, run: dict, **figures: Any) -> dict[str, Any]:
         "wrong": wrong,
         "migrations": sum(r["kvmesh"]["migrations"] for r in good),
         "seconds": run["seconds"],
-        "reference_seconds": ref["seconds"],
         **figures,
     }
 
@@ -99,7 +132,7 @@ def run_traffic(base_url: str, n: int, max_tokens: int, salt: int, fault: Any = 
 
 
 def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
-    ref = run_traffic(base_url, n, max_tokens, salt=1)
+    ref = reference(n, max_tokens, salt=1)
     killed: dict[str, Any] = {}
 
     def fault() -> None:
@@ -121,7 +154,7 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
     either) under load: its replica must kill it after two silent health checks, so its
     requests move, and the index must drop it. ``killed_by_replica`` says the replica did
     (else the bench kills the stopped process itself afterwards)."""
-    ref = run_traffic(base_url, n, max_tokens, salt=4)
+    ref = reference(n, max_tokens, salt=4)
     hung: dict[str, Any] = {}
 
     def fault() -> None:
@@ -160,7 +193,7 @@ def _busy_worker(within_s: float = 30.0) -> str:
 
 
 def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
-    ref = run_traffic(base_url, n, max_tokens, salt=2)
+    ref = reference(n, max_tokens, salt=2)
     done: dict[str, Any] = {}
 
     def fault() -> None:
@@ -258,7 +291,7 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
     """Mixed load for ``seconds`` with a fault every ``kill_every_s`` (a worker replica or the
     index, in turn; the first worker is never killed so its process can be compared): no
     request lost, leases and pins back to 0, RSS and threads of the survivors flat."""
-    ref = run_traffic(base_url, n, max_tokens, salt=3)
+    ref = reference(n, max_tokens, salt=3)
     run_traffic(base_url, n, max_tokens, salt=3)  # warm: the pools hold what they will hold
     survivor = sorted(w for w in _processes() if w != "ingress")[0]
     watched = {k: h for k, h in _processes().items() if k in (survivor, "ingress")}
@@ -283,7 +316,7 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
     after = {k: _footprint(h) for k, h in watched.items()}
     workers = _processes()
     merged = {"results": [r for run in runs for r in run["results"]], "seconds": end - start}
-    ref_all = {"results": ref["results"] * len(runs), "seconds": ref["seconds"]}
+    ref_all = {"results": ref["results"] * len(runs)}
     return summary(
         "soak", ref_all, merged,
         faults=faults,
@@ -314,6 +347,7 @@ SCENARIOS = {
     "index_killed": index_killed,
     "client_disconnects": client_disconnects,
     "traffic": traffic_only,
+    "reference": reference,
     "soak": soak,
 }
 
