@@ -49,8 +49,9 @@ from tests.two_hosts import TwoHosts, kvmesh_serve  # noqa: E402
 
 TWO_HOST = ("pull_1gbit", "pull_10gbit", "slow_link", "worker_killed", "worker_hung",
             "index_killed", "client_disconnects", "soak", "host_lost", "link_cut")  # fmt: skip
-# host_lost, link_cut: the fault this long after the load starts (the load lasts about 40 s).
-FAULT_AFTER_S = 10.0
+# host_lost, link_cut: the fault this long after the load starts, full and --quick (the
+# load lasts about 40 s, and 8 s with --quick).
+FAULT_AFTER_S = {False: 10.0, True: 2.0}
 # slow_link: the link's rate in each phase, fast first (the costs learned there carry over).
 SLOW_LINK_RATES = ("1gbit", "5mbit")
 
@@ -80,9 +81,12 @@ def driver(hosts: TwoHosts, scenario: str, model: str, timeout: float = 900, **k
     return json.loads(out.strip().splitlines()[-1])
 
 
-def host_fault(hosts: TwoHosts, name: str, url: str, n: int, tokens: int, cut_s: float) -> dict:
+def host_fault(
+    hosts: TwoHosts, name: str, url: str, n: int, tokens: int, cut_s: float, after_s: float
+) -> dict:
     """Load from host a while host b dies (``host_lost``) or its link is cut for ``cut_s``
-    (``link_cut``); then host b is started again and the time until both hosts serve."""
+    (``link_cut``), ``after_s`` into the load; then host b is started again and the time
+    until both hosts serve."""
     # Fresh prompts per scenario: a worker holding them all would draw every request.
     kw = {"n": n, "max_tokens": tokens, "salt": TWO_HOST.index(name)}
     ref = driver(hosts, "reference", "tiny-random", **kw)
@@ -95,7 +99,7 @@ def host_fault(hosts: TwoHosts, name: str, url: str, n: int, tokens: int, cut_s:
     )
     assert proc.stdout is not None
     proc.stdout.readline()  # {"started": ...}
-    time.sleep(FAULT_AFTER_S)
+    time.sleep(after_s)
     if name == "host_lost":
         hosts.kill_host("b")
     else:
@@ -188,7 +192,7 @@ def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> N
                 emit(driver(hosts, "soak", "tiny-random", timeout=soak_s + 900, base_url=url, **kw))
             for s in ("host_lost", "link_cut"):
                 if s in only:
-                    emit(host_fault(hosts, s, url, n, tokens, cut_s))
+                    emit(host_fault(hosts, s, url, n, tokens, cut_s, FAULT_AFTER_S[quick]))
 
 
 # The one-host rows: each bench's own command line (its defaults are the issue's sizes).

@@ -43,21 +43,22 @@ def texts(n: int, salt: int) -> list[str]:
     return [f"{SHARED} {prompt(12, salt=salt * 1000 + i)}" for i in range(n)]
 
 
+# The reference engine's pool: 64 prompts of ~550 tokens in 16-token blocks, with room.
+REFERENCE_BLOCKS = 8192
+
+
 def reference(n: int, max_tokens: int, salt: int) -> dict[str, Any]:
     """The no-fault outputs of ``traffic``'s requests for ``texts(n, salt)``, in order, from
     an in-process engine: each streamed request's text as its deltas join, each other's as
     its output gives it (as the API serves them)."""
     from kvmesh import LLM, SamplingParams
 
-    start = time.perf_counter()
-    global _reference_llm
-    if _reference_llm is None:
-        _reference_llm = LLM(MODEL, num_kv_blocks=REFERENCE_BLOCKS, progress=False)
+    llm = LLM(MODEL, num_kv_blocks=REFERENCE_BLOCKS, progress=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     ask = texts(n, salt)
     joined: dict[str, list[str]] = {}
     finished: dict[str, Any] = {}  # request id -> its RequestOutput
-    for delta in _reference_llm.stream(ask, params):
+    for delta in llm.stream(ask, params):
         joined.setdefault(delta.request_id, []).append(delta.text)
         if delta.output is not None:
             finished[delta.request_id] = delta.output
@@ -66,15 +67,12 @@ def reference(n: int, max_tokens: int, salt: int) -> dict[str, Any]:
     for i, text in enumerate(ask):
         rid, whole = by_text[text]
         results.append({"ok": True, "text": "".join(joined[rid]) if i % 2 else whole})
-    return {"results": results, "seconds": round(time.perf_counter() - start, 3)}
-
-
-_reference_llm: Any = None
-REFERENCE_BLOCKS = 8192  # 64 prompts of ~550 tokens in 16-token blocks, with room
+    return {"results": results}
 
 
 def summary(name: str, ref: dict, run: dict, **figures: Any) -> dict[str, Any]:
-    """The common columns: requests, failed, wrong (an output unlike the no-fault run's)."""
+    """The common columns: requests, failed, wrong (an output unlike the no-fault
+    reference's)."""
     results = run["results"]
     good = [r for r in results if r["ok"]]
     wrong = sum(
