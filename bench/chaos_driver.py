@@ -30,7 +30,7 @@ from kvmesh.cluster.serve_app import APP_NAME
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
 from tests.serve_helpers import kill_worker, process_alive
 from tests.two_hosts import rate_bits
-from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
+from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, streamed, traffic
 
 SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
 
@@ -66,7 +66,7 @@ def reference(n: int, max_tokens: int, salt: int) -> dict[str, Any]:
     results = []
     for i, text in enumerate(ask):
         rid, whole = by_text[text]
-        results.append({"ok": True, "text": "".join(joined[rid]) if i % 2 else whole})
+        results.append({"ok": True, "text": "".join(joined[rid]) if streamed(i) else whole})
     return {"results": results}
 
 

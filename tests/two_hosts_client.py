@@ -94,12 +94,17 @@ def pull(base_url: str, dev: str, words: int, max_tokens: int = 4) -> dict[str, 
     return {"requests": out}
 
 
+def streamed(i: int) -> bool:
+    """Whether ``traffic`` streams its ``i``-th request: every other one."""
+    return i % 2 == 1
+
+
 def traffic(base_url: str, texts: list[str], max_tokens: int, concurrency: int = 16) -> dict:
     """Every text once, greedy, every other one streamed; results in order."""
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         futures = [
-            pool.submit(complete, base_url, t, max_tokens, i % 2 == 1) for i, t in enumerate(texts)
+            pool.submit(complete, base_url, t, max_tokens, streamed(i)) for i, t in enumerate(texts)
         ]
         results = [f.result() for f in futures]
     return {"results": results, "seconds": round(time.perf_counter() - start, 3)}
