@@ -73,6 +73,10 @@ class ServeConfig:
     # unhealthy (Serve replaces it).
     health_stall_s: float = 30.0
     drain_timeout_s: float = 30.0  # how long a stopping worker lets running requests finish
+    # A stream sends at most one message per interval: the tokens made in between go
+    # together (the first at once). Each hop (engine actor, worker, ingress, HTTP) costs per
+    # message; 0: no interval (what piled up while a consumer was busy still goes as one).
+    stream_interval_s: float = 0.05
     # Ray custom resources each worker / ingress replica needs, e.g. {"gpu_node": 1}: where
     # an operator wants them placed (the ingress on CPU-only nodes, one worker per host).
     worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -139,6 +143,8 @@ class ServeConfig:
         ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise bad(name, "must be a positive finite number")
+        if not 0 <= self.stream_interval_s <= 1:
+            raise bad("stream_interval_s", "must be a number of seconds in [0, 1]")
         if self.max_request_bytes < 1:
             raise bad("max_request_bytes", "must be >= 1")
         if self.max_num_seqs < 1:
@@ -297,6 +303,7 @@ _TYPES: dict[str, type] = {
     "health_check_period_s": float,
     "health_stall_s": float,
     "drain_timeout_s": float,
+    "stream_interval_s": float,
     "worker_resources": dict,
     "ingress_resources": dict,
 }

@@ -49,6 +49,9 @@ from kvmesh.workers.outputs import StreamDelta
 
 logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
+# How often a worker reports the progress of an answer sent whole (a migration resumes from
+# the last report; a cancelled request is aborted within about this long).
+PROGRESS_INTERVAL_S = 1.0
 
 
 class WorkerLostError(Unavailable):
@@ -116,7 +119,7 @@ class ClusterBackend:
         return self.tokenize(request.prompt)
 
     def _worker_request(
-        self, request: GenerateRequest, ids: list[int], resumed: list[int]
+        self, request: GenerateRequest, ids: list[int], resumed: list[int], interval_s: float
     ) -> WorkerRequest:
         chain = block_hashes([*ids, *resumed], self.config.block_size, self.namespace)
         return WorkerRequest(
@@ -127,18 +130,27 @@ class ClusterBackend:
             list(resumed),
             fingerprint=self.info["fingerprint"] if self.config.connector else None,
             caller=self.caller,
+            interval_s=interval_s,
         )
 
     # -- requests -----------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> Completion:
         final: Completion | None = None
-        async for chunk in self.stream(request):
+        # Nobody reads the pieces of an answer sent whole: the worker reports progress (what
+        # a migration resumes from) once a PROGRESS_INTERVAL_S, not per token.
+        async for chunk in self.stream(request, PROGRESS_INTERVAL_S):
             final = chunk.completion or final
         assert final is not None
         return final
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def stream(
+        self, request: GenerateRequest, interval_s: float | None = None
+    ) -> AsyncIterator[Chunk]:
+        """The request's chunks; at most one per ``interval_s`` (default: the config's
+        ``stream_interval_s``)."""
+        if interval_s is None:
+            interval_s = self.config.stream_interval_s
         # The chat template and the tokenizer are CPU work: off the event loop.
         ids = await asyncio.to_thread(self.prompt_ids, request)
         params = request.params
@@ -154,7 +166,7 @@ class ClusterBackend:
         logprobs: list[dict[int, float]] = []
         migrations = 0
         while True:
-            work = self._worker_request(request, ids, generated)
+            work = self._worker_request(request, ids, generated, interval_s)
             own_call_id()
             stream = self.handles[self.role].options(stream=True).generate.remote(work)
             try:
@@ -222,7 +234,7 @@ class ClusterBackend:
         worker then computes the prompt itself: a lost prefill replica costs time, never a
         request, and requests do not queue behind its replacement's start)."""
         params = dataclasses.replace(request.params, max_tokens=1, stop=(), logprobs=None)
-        work = self._worker_request(dataclasses.replace(request, params=params), ids, [])
+        work = self._worker_request(dataclasses.replace(request, params=params), ids, [], 0.0)
         own_call_id()
         stream = self.handles["prefill"].options(stream=True).generate.remote(work)
         try:

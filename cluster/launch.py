@@ -67,6 +67,11 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "health-check-period-s": {"type": float},
     "health-stall-s": {"type": float},
     "drain-timeout-s": {"type": float},
+    "stream-interval-s": {
+        "type": float,
+        "help": "a stream sends at most one chunk per interval, the tokens made in between "
+        "together (default 0.05; 0: no interval)",
+    },
     "worker-resources": {
         "type": lambda s: _json_object(s, "worker-resources"),
         "help": "Ray custom resources per worker, JSON, e.g. '{\"gpu_host\": 1}'",

@@ -156,6 +156,7 @@ class WorkerDeployment:
             request.params,
             resumed_token_ids=request.resumed_ids,
             pull_plan=pull_plan(plan, self.role),
+            interval_s=request.interval_s,
         )
         finished = False
         first = True

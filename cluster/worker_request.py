@@ -43,6 +43,9 @@ class WorkerRequest:
     # The sender's actor handle (an ingress replica): Ray does not cancel an actor task whose
     # caller died, so the worker aborts the request itself once this actor is gone.
     caller: Any = None
+    # At most one message per interval back to the ingress (``Worker.stream``): a stream's
+    # ``stream_interval_s``, or for an answer sent whole the ingress's progress interval.
+    interval_s: float = 0.0
 
     @property
     def num_context_tokens(self) -> int:

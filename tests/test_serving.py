@@ -117,6 +117,17 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
     assert [e for c in streamed for e in c.get("logprobs", [])] == lps
 
 
+def test_a_fast_stream_comes_in_fewer_chunks_than_tokens(unified) -> None:
+    """The app's ``stream_interval_s`` (50 ms) reaches the engine actors: tiny-random makes
+    a token in a few ms, so its tokens go several to a chunk, and none is lost."""
+    handle, _, _ = unified
+    req = {"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    want = handle.generate.remote(req).result()["token_ids"]
+    chunks = list(handle.options(stream=True).generate.remote({**req, "stream": True}))
+    assert [t for c in chunks for t in c["token_ids"]] == want
+    assert len(chunks) < len(want) / 2, [len(c["token_ids"]) for c in chunks]
+
+
 def test_handle_speaks_openai_bodies(unified) -> None:
     """``handle.completions`` / ``handle.chat`` take the HTTP body as a dict and give the
     HTTP JSON: several choices, streams with usage, and the same 400s, raised."""
@@ -189,6 +200,19 @@ def test_a_worker_files_kv_under_its_own_tokens_not_a_sent_chain(unified) -> Non
     held = wait_for(lambda: ray.get(index.lookup.remote(real_hashes)), 10, "the prompt's blocks")
     assert max(held.values()) == len(real) // 4
     assert not ray.get(index.lookup.remote(forged))
+
+
+def test_a_worker_reports_an_answer_sent_whole_once_per_interval(unified) -> None:
+    """``WorkerRequest.interval_s``: the ingress asks for progress once a second for an
+    answer nobody reads in pieces; the worker sends few messages, every token in them."""
+    worker = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", app_name=APP_NAME)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    work = WorkerRequest("progress", list(range(50, 60)), params, interval_s=1.0)
+    deltas = list(worker.options(stream=True).generate.remote(work))
+    assert deltas[-1].output is not None
+    assert [t for d in deltas for t in d.token_ids] == deltas[-1].output.token_ids
+    assert len(deltas[-1].output.token_ids) == 200
+    assert len(deltas) <= 5, [len(d.token_ids) for d in deltas]
 
 
 @pytest.mark.parametrize(

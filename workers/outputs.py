@@ -69,3 +69,19 @@ class StreamDelta:
     output: RequestOutput | None = None  # the full output, set on the last delta
     worker: str | None = None  # the worker that produced it (set by the serving layer)
     logprobs: list[dict[int, float]] | None = None  # per token, with SamplingParams.logprobs
+
+    def merged(self, later: StreamDelta) -> StreamDelta:
+        """This delta and the one after it as one: their tokens, text and logprobs in order,
+        the later one's finish and output."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = [*(self.logprobs or ()), *(later.logprobs or ())]
+        return StreamDelta(
+            self.request_id,
+            [*self.token_ids, *later.token_ids],
+            self.text + later.text,
+            later.finish_reason,
+            later.output,
+            later.worker or self.worker,
+            logprobs,
+        )

@@ -161,12 +161,18 @@ class Worker:
         *,
         resumed_token_ids: Sequence[int] = (),
         pull_plan: PullPlan | None = None,
+        interval_s: float = 0.0,
     ) -> Iterator[StreamDelta]:
         """Queue a request; yield its deltas as the step thread produces them.
 
         ``resumed_token_ids``: output tokens another worker already streamed; the deltas go
         on from there (see ``LLMEngine.make_request``). ``pull_plan``: the router's plan for
-        the prefix, for the connector.
+        the prefix, for the connector. ``interval_s``: yield at most once per interval,
+        each yield all the deltas that came since the last one, merged (the first at once:
+        TTFT is not delayed, and a stream slower than the interval is not delayed at all).
+        With no interval, deltas that piled up while the caller was busy still go as one.
+        Every hop after this one (Ray, the ingress, the HTTP stream) costs per message, not
+        per token; vLLM's output collector merges a lagging stream's outputs the same way.
         """
         deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         # Validates, and replays resumed tokens through the detokenizer, on this thread.
@@ -179,13 +185,23 @@ class Worker:
         )
         rid = self.call(lambda: self.engine.enqueue(tracked))
         finished = False
+        last_yield = -math.inf
         try:
             while not finished:
+                wait = last_yield + interval_s - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
                 delta = deltas.get()
+                while delta.finish_reason is None:
+                    try:
+                        delta = delta.merged(deltas.get_nowait())
+                    except queue.Empty:
+                        break
                 if delta.finish_reason == "error":
                     raise RuntimeError(f"{self.worker_id}: request {rid} failed in the engine")
                 finished = delta.finish_reason is not None
                 yield delta
+                last_yield = time.monotonic()
         finally:
             if not finished:  # the caller went away: free the request's blocks
                 self.call(lambda: self.engine.abort(rid))

@@ -81,15 +81,21 @@ class WorkerActor:
         *,
         resumed_token_ids: Sequence[int] = (),
         pull_plan: PullPlan | None = None,
+        interval_s: float = 0.0,
     ) -> Iterator[StreamDelta]:
-        """The request's deltas as they come. ``pull_plan``: the router's plan for the
-        prefix (holder, depth), used by the connector unless stale."""
+        """The request's deltas as they come, at most one per ``interval_s`` (see
+        ``Worker.stream``). ``pull_plan``: the router's plan for the prefix (holder, depth),
+        used by the connector unless stale."""
         ctx = ray.get_runtime_context()
         # A caller that went away (a closed HTTP stream) cancels this task: a threaded actor
         # cannot be interrupted, so check between tokens; closing the stream aborts the
         # request and frees its blocks.
         stream = self.worker.stream(
-            prompt, params, resumed_token_ids=resumed_token_ids, pull_plan=pull_plan
+            prompt,
+            params,
+            resumed_token_ids=resumed_token_ids,
+            pull_plan=pull_plan,
+            interval_s=interval_s,
         )
         with contextlib.closing(stream):
             for delta in stream:

@@ -1,0 +1,82 @@
+"""A stream's deltas merged to at most one message per interval (``Worker.stream``'s
+``interval_s``, the Serve app's ``stream_interval_s``): the same tokens, text and logprobs
+in fewer pieces, the first one not held back."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.outputs import RequestMetrics, RequestOutput, StreamDelta
+from kvmesh.workers.sampling_params import SamplingParams
+from kvmesh.workers.worker import Worker
+
+PROMPT = "Once upon a time"
+PARAMS = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    config = EngineConfig(model="tiny-random", block_size=4, num_kv_blocks=64, progress=False)
+    w = Worker("w", config)
+    yield w
+    w.shutdown()
+
+
+def timed(stream: Iterator[StreamDelta]) -> list[tuple[float, StreamDelta]]:
+    return [(time.monotonic(), d) for d in stream]
+
+
+def test_merged_keeps_order_and_takes_the_later_finish() -> None:
+    out = RequestOutput("r", [1], [5, 6], "ab", "length", RequestMetrics(0.0))
+    a = StreamDelta("r", [5], "a", logprobs=[{5: -0.1}], worker="w1")
+    b = StreamDelta("r", [6], "b", "length", out, logprobs=[{6: -0.2}])
+    m = a.merged(b)
+    assert (m.token_ids, m.text, m.logprobs) == ([5, 6], "ab", [{5: -0.1}, {6: -0.2}])
+    assert (m.finish_reason, m.output, m.worker) == ("length", out, "w1")
+    assert StreamDelta("r", [1], "x").merged(StreamDelta("r", [2], "y")).logprobs is None
+
+
+def test_an_interval_merges_deltas_and_loses_nothing(worker: Worker) -> None:
+    every = timed(worker.stream(PROMPT, PARAMS))
+    interval = 0.05
+    merged = timed(worker.stream(PROMPT, PARAMS, interval_s=interval))
+    # Without an interval a message goes per token, unless tokens piled up meanwhile.
+    assert len(every) > PARAMS.max_tokens * 0.8
+    joined = [d for _, d in merged]
+    assert [t for d in joined for t in d.token_ids] == [t for _, d in every for t in d.token_ids]
+    assert "".join(d.text for d in joined) == "".join(d.text for _, d in every)
+    assert [lp for d in joined for lp in d.logprobs or []] == [
+        lp for _, d in every for lp in d.logprobs or []
+    ]
+    assert joined[-1].output is not None and joined[-1].finish_reason == "length"
+    assert all(d.finish_reason is None for d in joined[:-1])
+    # Fewer messages, never two within one interval (tiny-random makes a token in ~ms).
+    assert len(merged) < PARAMS.max_tokens / 2, [len(d.token_ids) for d in joined]
+    times = [t for t, _ in merged]
+    assert all(b - a >= interval * 0.95 for a, b in itertools.pairwise(times))
+
+
+def test_the_first_delta_is_not_held_back(worker: Worker) -> None:
+    interval = 0.5
+    start = time.monotonic()
+    merged = timed(worker.stream(PROMPT, PARAMS, interval_s=interval))
+    times = [t for t, _ in merged]
+    assert times[0] - start < interval / 2  # TTFT: the first message goes at once
+    assert times[1] - times[0] >= interval * 0.95  # the next waits for the interval
+    assert sum(len(d.token_ids) for _, d in merged) == PARAMS.max_tokens
+
+
+def test_a_stream_closed_early_frees_its_request(worker: Worker) -> None:
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    stream = worker.stream(PROMPT, params, interval_s=0.05)
+    assert next(stream).token_ids
+    stream.close()
+    deadline = time.monotonic() + 5
+    while worker.call(worker.engine.has_unfinished) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not worker.call(worker.engine.has_unfinished)
