@@ -84,7 +84,7 @@ def run_shaped(args: argparse.Namespace) -> int:
 
 
 class Stream:
-    """One decoding request on B; records when each delta reached this process."""
+    """One decoding request on B; records when each token reached this process."""
 
     def __init__(self, worker: Any, prompt: list[int], params: SamplingParams) -> None:
         self.times: list[float] = []
@@ -96,8 +96,10 @@ class Stream:
     def _consume(self) -> None:
         try:
             for ref in self._gen:
-                ray.get(ref)
-                self.times.append(time.perf_counter())
+                delta = ray.get(ref)
+                # One time per token: tokens that piled up while this thread was busy come
+                # merged in one delta (``Worker.stream``), and arrived together.
+                self.times.extend([time.perf_counter()] * len(delta.token_ids))
         finally:
             self.done.set()
 
