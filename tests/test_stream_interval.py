@@ -80,3 +80,11 @@ def test_a_stream_closed_early_frees_its_request(worker: Worker) -> None:
     while worker.call(worker.engine.has_unfinished) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not worker.call(worker.engine.has_unfinished)
+
+
+@pytest.mark.parametrize("value", [-0.01, 1.5, float("nan")])
+def test_a_bad_stream_interval_is_refused_with_its_name(value: float) -> None:
+    from kvmesh.cluster.config import ServeConfig
+
+    with pytest.raises(ValueError, match="stream_interval_s"):
+        ServeConfig(stream_interval_s=value)
