@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -54,15 +55,24 @@ def app(served):
     return served[0]
 
 
-def _stream(handle, body: dict, kill_after: int | None = None) -> tuple[list[dict], str | None]:
-    """Stream ``body``; after ``kill_after`` chunks, kill the worker serving it."""
-    chunks, killed = [], None
+def _stream(handle, body: dict, after_tokens: int, act: Callable[[], None]) -> list[dict]:
+    """Stream ``body``; once ``after_tokens`` tokens came, call ``act`` once. Counted in
+    tokens, not chunks: a chunk carries every token made within the stream's interval, so a
+    fast host sends 400 tokens in a few chunks (a count of chunks was never reached there)."""
+    chunks, seen, acted = [], 0, False
     for chunk in handle.options(stream=True).generate.remote({**body, "stream": True}):
         chunks.append(chunk)
-        if kill_after is not None and len(chunks) == kill_after:
-            killed = wait_for(lambda: busy_worker(handle), 10, "the busy worker")
-            kill_worker(killed)
-    return chunks, killed
+        seen += len(chunk["token_ids"])
+        if not acted and seen >= after_tokens:
+            acted = True
+            act()
+    assert acted, f"the stream ended before {after_tokens} tokens"
+    return chunks
+
+
+def _kill_busy(handle, killed: list[str]) -> None:
+    killed.append(wait_for(lambda: busy_worker(handle), 10, "the busy worker"))
+    kill_worker(killed[0])
 
 
 def _healed(handle, n: int = 2) -> None:
@@ -84,8 +94,8 @@ def _healed(handle, n: int = 2) -> None:
 def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -> None:
     body = {**LONG, **sampling}
     unbroken = app.generate.remote(body).result()
-    chunks, killed = _stream(app, body, kill_after=40)
-    assert killed is not None
+    killed: list[str] = []
+    chunks = _stream(app, body, 40, lambda: _kill_busy(app, killed))
     tokens = [t for c in chunks for t in c["token_ids"]]
     assert tokens == unbroken["token_ids"]  # nothing lost, nothing repeated
     assert "".join(c["text"] for c in chunks) == unbroken["text"]
@@ -94,7 +104,7 @@ def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -
     assert last["usage"]["completion_tokens"] == 400
     assert last["usage"]["prompt_tokens"] == len(PROMPT)
     assert last["kvmesh"]["migrations"] == 1
-    assert last["kvmesh"]["worker"] != killed
+    assert last["kvmesh"]["worker"] != killed[0]
     _healed(app)
 
 
@@ -154,21 +164,23 @@ def test_a_hung_engine_is_killed_and_its_stream_moves(app) -> None:
     an unhealthy replica (drain_timeout_s, 30 s) on a process that will not finish it."""
     body = {**LONG, "temperature": 0}
     unbroken = app.generate.remote(body).result()
-    stopped: dict[str, float] = {}
-    chunks = []
-    for chunk in app.options(stream=True).generate.remote({**body, "stream": True}):
-        chunks.append(chunk)
-        if len(chunks) == 5:
-            worker = wait_for(lambda: busy_worker(app), 10, "the busy worker")
-            engines = ray.get(get_index_actor(_fingerprint()).workers.remote())
-            pid = ray.get(engines[worker]["handle"].__ray_call__.remote(lambda _: os.getpid()))
-            os.kill(pid, signal.SIGSTOP)
-            stopped["at"] = time.monotonic()
+    stopped: dict[str, Any] = {}
+
+    def stop_the_engine() -> None:
+        stopped["worker"] = wait_for(lambda: busy_worker(app), 10, "the busy worker")
+        engines = ray.get(get_index_actor(_fingerprint()).workers.remote())
+        handle = engines[stopped["worker"]]["handle"]
+        stopped["pid"] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(stopped["pid"], signal.SIGSTOP)
+        stopped["at"] = time.monotonic()
+
+    chunks = _stream(app, body, 5, stop_the_engine)
     took = time.monotonic() - stopped["at"]
     assert [t for c in chunks for t in c["token_ids"]] == unbroken["token_ids"]
-    assert chunks[-1]["kvmesh"]["migrations"] == 1 and chunks[-1]["kvmesh"]["worker"] != worker
+    last = chunks[-1]["kvmesh"]
+    assert last["migrations"] == 1 and last["worker"] != stopped["worker"]
     assert took < 20.0, f"the stream waited {took:.0f} s for its hung worker"
-    assert not process_alive(pid)  # killed by its replica
+    assert not process_alive(stopped["pid"])  # killed by its replica
     _healed(app)
 
 
