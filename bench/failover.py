@@ -31,6 +31,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from stats import percentile
 
 from cluster import conversation_turns
 from kvmesh.cluster.config import ServeConfig
@@ -134,7 +135,7 @@ def fault_run(
         "replace_s": round(statistics.median(replace), 2) if replace else None,
         "replace_s_max": max(replace) if replace else None,
         "latency_s_p50": round(statistics.median(latency), 2) if latency else None,
-        "latency_s_p99": round(latency[int(0.99 * (len(latency) - 1))], 2) if latency else None,
+        "latency_s_p99": round(percentile(latency, 0.99), 2) if latency else None,
         "latency_s_max": round(latency[-1], 2) if latency else None,
         "wall_s": round(wall, 1),
     }

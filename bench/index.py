@@ -24,6 +24,7 @@ import time
 from itertools import zip_longest
 
 import xxhash
+from stats import percentile
 
 from kvmesh.connector.events import EventPublisher, decode_records
 from kvmesh.connector.kv_index import KvIndex
@@ -99,8 +100,10 @@ def queries(convs: list[list[bytes]], n: int, rng: random.Random) -> list[list[b
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
-    samples = sorted(samples)
-    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+    """(p50, p99) of a non-empty sample."""
+    p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
+    assert p50 is not None and p99 is not None, "no samples"
+    return p50, p99
 
 
 def bench_actor(batches: list[bytes], qs: list[list[bytes]], workers: int) -> dict:

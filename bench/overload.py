@@ -36,6 +36,7 @@ import aiohttp
 import psutil
 import ray
 from ray import serve
+from stats import percentile
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import deploy
@@ -112,10 +113,9 @@ def _outcome(r: dict[str, Any]) -> str:
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)
+    """The ``q``-quantile of ``values`` (seconds) in milliseconds."""
+    p = percentile(values, q)
+    return None if p is None else round(p * 1000, 1)
 
 
 async def _closed_loop(

@@ -32,30 +32,12 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stats import percentile
+
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import deploy
 from tests.ports import free_port
-from tests.two_hosts_client import client, streamed, wait_ready
-
-
-def one(base_url: str, model: str, text: str, max_tokens: int, stream: bool) -> dict[str, Any]:
-    """A greedy completion: its text, and when streamed its chunks and first-token seconds."""
-    c = client(base_url)
-    start = time.perf_counter()
-    body = {"ignore_eos": True}
-    if not stream:
-        r = c.completions.create(
-            model=model, prompt=text, max_tokens=max_tokens, temperature=0, extra_body=body
-        )
-        return {"text": r.choices[0].text}
-    parts, first = [], None
-    for chunk in c.completions.create(
-        model=model, prompt=text, max_tokens=max_tokens, temperature=0, stream=True, extra_body=body
-    ):
-        if chunk.choices and chunk.choices[0].text:
-            first = first or time.perf_counter() - start
-            parts.append(chunk.choices[0].text)
-    return {"text": "".join(parts), "chunks": len(parts), "ttft_s": first}
+from tests.two_hosts_client import complete, streamed, wait_ready
 
 
 def ray_cpu_s() -> collections.Counter[str]:
@@ -70,10 +52,6 @@ def ray_cpu_s() -> collections.Counter[str]:
         except (psutil.Error, IndexError):
             continue
     return total
-
-
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if values else 0.0
 
 
 STREAMS = {"every-other": streamed, "all": lambda i: True, "none": lambda i: False}
@@ -91,11 +69,13 @@ def run(
     with ThreadPoolExecutor(len(texts)) as pool:
         outs = list(
             pool.map(
-                lambda it: one(base_url, config.model_name, it[1], max_tokens, streams(it[0])),
+                lambda it: complete(base_url, it[1], max_tokens, streams(it[0]), config.model_name),
                 enumerate(texts),
             )
         )
     seconds = time.perf_counter() - start
+    failed = [o for o in outs if not o["ok"]]
+    assert not failed, failed[:3]
     client_cpu = sum(me.cpu_times()[:2]) - sum(mine[:2])
     used = ray_cpu_s()
     used.subtract(ray_before)
@@ -109,8 +89,8 @@ def run(
         "chunks_per_stream": round(statistics.mean(o["chunks"] for o in streamed_outs), 1)
         if streamed_outs
         else None,
-        "ttft_p50_s": round(percentile(ttfts, 50), 3),
-        "ttft_p99_s": round(percentile(ttfts, 99), 3),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 3) if ttfts else None,
+        "ttft_p99_s": round(percentile(ttfts, 0.99), 3) if ttfts else None,
         "texts": [o["text"] for o in outs],
     }
 

@@ -39,17 +39,19 @@ def prompt(n_words: int, salt: int = 0) -> str:
 def complete(
     base_url: str, text: str, max_tokens: int, stream: bool = False, model: str = MODEL
 ) -> dict[str, Any]:
-    """One greedy completion: its text, its ``kvmesh`` object (or an error's class and HTTP
-    status, never raised)."""
+    """One greedy completion: its text, its ``kvmesh`` object, and when streamed the chunks
+    that carried text and the seconds to the first (or an error's class and HTTP status,
+    never raised)."""
     body = {"ignore_eos": True}
     try:
         c = client(base_url)
+        start = time.perf_counter()
         if not stream:
             r = c.completions.create(
                 model=model, prompt=text, max_tokens=max_tokens, temperature=0, extra_body=body
             )
             return {"ok": True, "text": r.choices[0].text, "kvmesh": r.model_extra["kvmesh"]}
-        parts, kv = [], None
+        parts, kv, ttft = [], None, None
         for chunk in c.completions.create(
             model=model,
             prompt=text,
@@ -58,10 +60,12 @@ def complete(
             stream=True,
             extra_body=body,
         ):
-            if chunk.choices:
+            if chunk.choices and chunk.choices[0].text:
+                ttft = ttft or time.perf_counter() - start
                 parts.append(chunk.choices[0].text)
             kv = (chunk.model_extra or {}).get("kvmesh", kv)
-        return {"ok": True, "text": "".join(parts), "kvmesh": kv}
+        text = "".join(parts)
+        return {"ok": True, "text": text, "kvmesh": kv, "chunks": len(parts), "ttft_s": ttft}
     except openai.APIStatusError as e:
         return {"ok": False, "error": type(e).__name__, "status": e.status_code}
     except (openai.APIError, httpx.HTTPError) as e:
