@@ -57,7 +57,8 @@ def test_an_interval_merges_deltas_and_loses_nothing(worker: Worker) -> None:
     assert all(d.finish_reason is None for d in joined[:-1])
     # Fewer messages, never two within one interval (tiny-random makes a token in ~ms).
     assert len(merged) < PARAMS.max_tokens / 2, [len(d.token_ids) for d in joined]
-    times = [t for t, _ in merged]
+    # The last goes when the request finishes, so only the ones before it are spaced.
+    times = [t for t, _ in merged[:-1]]
     assert all(b - a >= interval * 0.95 for a, b in itertools.pairwise(times))
 
 
@@ -67,8 +68,20 @@ def test_the_first_delta_is_not_held_back(worker: Worker) -> None:
     merged = timed(worker.stream(PROMPT, PARAMS, interval_s=interval))
     times = [t for t, _ in merged]
     assert times[0] - start < interval / 2  # TTFT: the first message goes at once
-    assert times[1] - times[0] >= interval * 0.95  # the next waits for the interval
+    # The next waits for the interval, unless it is the last (the request finished).
+    assert merged[1][1].finish_reason is not None or times[1] - times[0] >= interval * 0.95
     assert sum(len(d.token_ids) for _, d in merged) == PARAMS.max_tokens
+
+
+def test_the_last_delta_is_not_held_back(worker: Worker) -> None:
+    """A request that finishes within the interval ends then, not at the interval's end
+    (before: its last delta waited out the interval; an answer sent whole, whose interval is a
+    second, took up to a second longer than its tokens)."""
+    interval = 30.0
+    start = time.monotonic()
+    merged = timed(worker.stream(PROMPT, SamplingParams(max_tokens=20), interval_s=interval))
+    assert merged[-1][1].finish_reason is not None
+    assert merged[-1][0] - start < interval / 3, merged[-1][0] - start
 
 
 def test_a_stream_closed_early_frees_its_request(worker: Worker) -> None:

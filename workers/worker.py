@@ -169,8 +169,9 @@ class Worker:
         on from there (see ``LLMEngine.make_request``). ``pull_plan``: the router's plan for
         the prefix, for the connector. ``interval_s``: yield at most once per interval,
         each yield all the deltas that came since the last one, merged (the first at once:
-        TTFT is not delayed, and a stream slower than the interval is not delayed at all).
-        With no interval, deltas that piled up while the caller was busy still go as one.
+        TTFT is not delayed; the last when the request finishes; a stream slower than the
+        interval is not delayed at all). With no interval, deltas that piled up while the
+        caller was busy still go as one.
         Every hop after this one (Ray, the ingress, the HTTP stream) costs per message, not
         per token; vLLM's output collector merges a lagging stream's outputs the same way.
         """
@@ -188,15 +189,16 @@ class Worker:
         last_yield = -math.inf
         try:
             while not finished:
-                wait = last_yield + interval_s - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
+                due = last_yield + interval_s
                 delta = deltas.get()
+                # Merge what comes until the interval is over, or the request finishes.
                 while delta.finish_reason is None:
+                    wait = due - time.monotonic()
                     try:
-                        delta = delta.merged(deltas.get_nowait())
+                        later = deltas.get(timeout=wait) if wait > 0 else deltas.get_nowait()
                     except queue.Empty:
                         break
+                    delta = delta.merged(later)
                 if delta.finish_reason == "error":
                     raise RuntimeError(f"{self.worker_id}: request {rid} failed in the engine")
                 finished = delta.finish_reason is not None
