@@ -9,7 +9,7 @@ worker replicas, ingress, proxy, GCS, raylet) and of this client, chunks per str
 request, TTFT p50 / p99 as the client sees it, and whether every answer equals the first
 interval's. One JSON line.
 
-    cd bench && ../.venv/bin/python stream_interval.py [--intervals 0,0.02] [--max-tokens 300]
+    cd bench && ../.venv/bin/python stream_interval.py [--intervals 0,0.05] [--max-tokens 300]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--intervals", default="0,0.02", help="stream_interval_s values, in order")
+    ap.add_argument("--intervals", default="0,0.05", help="stream_interval_s values, in order")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--workers", type=int, default=2)
