@@ -259,29 +259,63 @@ def stop_serving(started_serve: bool, owner: str) -> None:
         serve.shutdown()
 
 
-def _deploy_failure(app_name: str) -> str:
-    """What Serve recorded about a failed deployment of ``app_name``: the last line of the
-    first failed deployment's message (the exception a replica raised), else Serve's own."""
+# Serve's deployment message while it retries a replica that failed to start.
+RETRYING = "A replica failed to start"
+# What a replica raises when the engine refuses its settings: starting it again repeats it.
+REFUSED = "ValueError: "
+# How often a deployment coming up is checked for such a refusal.
+REFUSAL_CHECK_S = 1.0
+
+
+def _app_status(app_name: str) -> Any:
     from ray import serve
 
     try:
-        app = serve.status().applications.get(app_name)
+        return serve.status().applications.get(app_name)
     except Exception:  # the controller may be gone too: say what is known
-        app = None
+        return None
+
+
+def _replica_error(name: str, deployment: Any) -> str:
+    """The exception a deployment's replica raised, from the last line of Serve's message."""
+    lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
+    cause = lines[-1].removeprefix("ray.exceptions.") if lines else "see the Serve logs"
+    return f"{name} failed to start: {cause}"
+
+
+def _deploy_failure(app_name: str) -> str:
+    """What Serve recorded about a failed deployment of ``app_name``: the exception the
+    first failed deployment's replica raised, else Serve's own message."""
+    app = _app_status(app_name)
     if app is None:
         return "the deployment failed (see the Serve logs)"
     for name, deployment in app.deployments.items():
-        lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
-        if lines and str(deployment.status).endswith("DEPLOY_FAILED"):
-            return f"{name} failed to start: {lines[-1].removeprefix('ray.exceptions.')}"
+        if str(deployment.status).endswith("DEPLOY_FAILED") and deployment.message:
+            return _replica_error(name, deployment)
     return (app.message or "the deployment failed").splitlines()[0]
+
+
+def refused_start(app: Any) -> str | None:
+    """A replica of ``app`` (Serve's ``ApplicationStatusOverview``) failed to start because
+    the engine refused its settings (a ``ValueError``: a context the pool cannot hold, an
+    unknown model): what to report, else None. Serve would start it twice more per replica
+    (a model load each, minutes for a large model) to the same end; any other error (a lost
+    node, a timeout) is left to its retries."""
+    for name, deployment in app.deployments.items():
+        if not (deployment.message or "").startswith(RETRYING):
+            continue
+        error = _replica_error(name, deployment)
+        if error.split(": ", 1)[1].startswith(REFUSED):
+            return error
+    return None
 
 
 def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = False) -> None:
     """Deploy and serve until Ctrl-C, SIGTERM or SIGHUP (a closed terminal). Each also stops
     a deployment that is still coming up (e.g. waiting for resources that never appear); a
-    deployment that fails raises ``DeployFailed`` naming the replica's error; one that would
-    collide with what the cluster's Serve runs raises ``ClusterTaken`` before deploying."""
+    deployment that fails raises ``DeployFailed`` naming the replica's error, at the first
+    replica whose engine refused its settings (``refused_start``); one that would collide
+    with what the cluster's Serve runs raises ``ClusterTaken`` before deploying."""
     started_ray = connect_ray(config, address)  # first: it sets Ray's auth mode before import
     import ray
 
@@ -304,6 +338,22 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
     owner = new_owner()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    refused: list[str] = []
+    up = threading.Lock()  # held to decide, at once, that the app is up or is refused
+
+    def watch_start() -> None:
+        """While the app comes up, stop the wait (as a signal does) once a replica's start
+        is refused: then ``DeployFailed`` names the refusal."""
+        while deploying and not stop.wait(REFUSAL_CHECK_S):
+            app = _app_status(APP_NAME)
+            error = refused_start(app) if app is not None else None
+            with up:
+                if error is not None and deploying:
+                    refused.append(error)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+    threading.Thread(target=watch_start, name="kvmesh-start-watch", daemon=True).start()
     try:
         try:
             deploy(config, owner)
@@ -316,7 +366,8 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
             if "Deploying application" not in str(e):
                 raise
             raise DeployFailed(_deploy_failure(APP_NAME)) from None
-        deploying = False
+        with up:
+            deploying = False
         print(
             f"kvmesh: serving {config.model_name} on http://{config.host}:{config.port}/v1",
             flush=True,
@@ -335,3 +386,5 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
         finally:
             if started_ray:
                 ray.shutdown()
+    if refused:
+        raise DeployFailed(refused[0])

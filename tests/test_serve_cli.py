@@ -10,14 +10,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import psutil
 import pytest
+from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
+from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview
 
+from kvmesh.cluster.launch import RETRYING, refused_start
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -133,19 +138,47 @@ def cmdline(p: psutil.Process) -> str:
 
 def test_a_worker_that_cannot_start_is_named_with_its_error() -> None:
     """The pool cannot hold the asked context: the worker refuses to start, and the command
-    says why in one line (before: a Serve traceback naming only the deployment)."""
+    says why in one line (before: a Serve traceback naming only the deployment), after one
+    start (before: Serve's three, each loading the model, to the same error)."""
     flags = ["--address", "local", "--kv-cache-memory", "64KiB", "--max-model-len", "512"]
-    # One start, not Serve's three per replica: the error is the same each time, and each
-    # start costs seconds here.
-    env = {**ENV, "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
-    out = subprocess.run(
-        serve_cmd(free_port(), *flags), env=env, capture_output=True, text=True, timeout=240
-    )
+    with tempfile.TemporaryDirectory(prefix="rt", dir="/tmp") as ray_tmp:  # short: sockets
+        out = subprocess.run(
+            serve_cmd(free_port(), *flags),
+            env={**ENV, "RAY_TMPDIR": ray_tmp},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        logs = Path(ray_tmp).glob("ray/session_*/logs/serve/replica_kvmesh_kvmesh-worker_*")
+        starts = {log.name for log in logs}  # session_latest links to the session
     assert out.returncode == 1, out.stdout[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("kvmesh: error: kvmesh-worker failed to start: ValueError: "), last
     assert "max_model_len: 512 tokens do not fit in the KV cache, which holds 128" in last
     assert "Traceback" not in out.stderr
+    assert len(starts) == 1, starts  # one replica log per start
+
+
+def _app(message: str, status: str = "UPDATING") -> ApplicationStatusOverview:
+    deployment = DeploymentStatusOverview(
+        DeploymentStatus[status], DeploymentStatusTrigger.CONFIG_UPDATE_STARTED, {}, message
+    )
+    return ApplicationStatusOverview(
+        ApplicationStatus.DEPLOYING, "", 0.0, {"kvmesh-worker": deployment}
+    )
+
+
+def test_only_a_refused_setting_stops_the_start_at_once() -> None:
+    """``refused_start``: a replica's ValueError (the engine refusing its settings) ends the
+    start; any other failure is left to Serve's retries, and so is a deployment still fine."""
+    error = "Traceback (most recent call last):\n  ...\n"
+    refused = f"{RETRYING} with exception. Retrying 2 more time(s). Error:\n{error}"
+    got = refused_start(_app(refused + "ValueError: max_model_len: 512 tokens do not fit"))
+    assert got == "kvmesh-worker failed to start: ValueError: max_model_len: 512 tokens do not fit"
+    lost = refused + "ray.exceptions.ActorDiedError: The actor died unexpectedly"
+    assert refused_start(_app(lost)) is None
+    assert refused_start(_app("")) is None
+    assert refused_start(_app("Deploying: 0 of 1 replicas running")) is None
 
 
 def test_a_port_in_use_is_named_without_a_traceback() -> None:
