@@ -264,7 +264,7 @@ RETRYING = "A replica failed to start"
 # What a replica raises when the engine refuses its settings: starting it again repeats it.
 REFUSED = "ValueError: "
 # How often a deployment coming up is checked for such a refusal.
-REFUSAL_CHECK_S = 1.0
+REFUSAL_CHECK_S = 0.5
 
 
 def _app_status(app_name: str) -> Any:
