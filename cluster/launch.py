@@ -276,11 +276,10 @@ def _app_status(app_name: str) -> Any:
         return None
 
 
-def _replica_error(name: str, deployment: Any) -> str:
+def _replica_cause(deployment: Any) -> str:
     """The exception a deployment's replica raised, from the last line of Serve's message."""
     lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
-    cause = lines[-1].removeprefix("ray.exceptions.") if lines else "see the Serve logs"
-    return f"{name} failed to start: {cause}"
+    return lines[-1].removeprefix("ray.exceptions.") if lines else "see the Serve logs"
 
 
 def _deploy_failure(app_name: str) -> str:
@@ -291,7 +290,7 @@ def _deploy_failure(app_name: str) -> str:
         return "the deployment failed (see the Serve logs)"
     for name, deployment in app.deployments.items():
         if str(deployment.status).endswith("DEPLOY_FAILED") and deployment.message:
-            return _replica_error(name, deployment)
+            return f"{name} failed to start: {_replica_cause(deployment)}"
     return (app.message or "the deployment failed").splitlines()[0]
 
 
@@ -302,11 +301,9 @@ def refused_start(app: Any) -> str | None:
     (a model load each, minutes for a large model) to the same end; any other error (a lost
     node, a timeout) is left to its retries."""
     for name, deployment in app.deployments.items():
-        if not (deployment.message or "").startswith(RETRYING):
-            continue
-        error = _replica_error(name, deployment)
-        if error.split(": ", 1)[1].startswith(REFUSED):
-            return error
+        cause = _replica_cause(deployment)
+        if (deployment.message or "").startswith(RETRYING) and cause.startswith(REFUSED):
+            return f"{name} failed to start: {cause}"
     return None
 
 
