@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -35,6 +35,7 @@ from tests.serve_helpers import (
 )
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
+T = TypeVar("T")
 PROMPT = list(range(7, 90))
 LONG = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
@@ -55,24 +56,26 @@ def app(served):
     return served[0]
 
 
-def _stream(handle, body: dict, after_tokens: int, act: Callable[[], None]) -> list[dict]:
-    """Stream ``body``; once ``after_tokens`` tokens came, call ``act`` once. Counted in
-    tokens, not chunks: a chunk carries every token made within the stream's interval, so a
-    fast host sends 400 tokens in a few chunks (a count of chunks was never reached there)."""
-    chunks, seen, acted = [], 0, False
+def _stream(handle, body: dict, after_tokens: int, act: Callable[[], T]) -> tuple[list[dict], T]:
+    """Stream ``body``; once ``after_tokens`` tokens came, call ``act`` once. The chunks and
+    what ``act`` returned. Counted in tokens, not chunks: a chunk carries every token made
+    within the stream's interval, so a fast host sends 400 tokens in a few chunks (a count
+    of chunks was never reached there)."""
+    chunks, seen, acted = [], 0, None
     for chunk in handle.options(stream=True).generate.remote({**body, "stream": True}):
         chunks.append(chunk)
         seen += len(chunk["token_ids"])
-        if not acted and seen >= after_tokens:
-            acted = True
-            act()
-    assert acted, f"the stream ended before {after_tokens} tokens"
-    return chunks
+        if acted is None and seen >= after_tokens:
+            acted = (act(),)
+    assert acted is not None, f"the stream ended before {after_tokens} tokens"
+    return chunks, acted[0]
 
 
-def _kill_busy(handle, killed: list[str]) -> None:
-    killed.append(wait_for(lambda: busy_worker(handle), 10, "the busy worker"))
-    kill_worker(killed[0])
+def _kill_busy(handle) -> str:
+    """Kill the worker that runs a request; its name."""
+    killed = wait_for(lambda: busy_worker(handle), 10, "the busy worker")
+    kill_worker(killed)
+    return killed
 
 
 def _healed(handle, n: int = 2) -> None:
@@ -94,8 +97,7 @@ def _healed(handle, n: int = 2) -> None:
 def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -> None:
     body = {**LONG, **sampling}
     unbroken = app.generate.remote(body).result()
-    killed: list[str] = []
-    chunks = _stream(app, body, 40, lambda: _kill_busy(app, killed))
+    chunks, killed = _stream(app, body, 40, lambda: _kill_busy(app))
     tokens = [t for c in chunks for t in c["token_ids"]]
     assert tokens == unbroken["token_ids"]  # nothing lost, nothing repeated
     assert "".join(c["text"] for c in chunks) == unbroken["text"]
@@ -104,7 +106,7 @@ def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -
     assert last["usage"]["completion_tokens"] == 400
     assert last["usage"]["prompt_tokens"] == len(PROMPT)
     assert last["kvmesh"]["migrations"] == 1
-    assert last["kvmesh"]["worker"] != killed[0]
+    assert last["kvmesh"]["worker"] != killed
     _healed(app)
 
 
@@ -164,23 +166,22 @@ def test_a_hung_engine_is_killed_and_its_stream_moves(app) -> None:
     an unhealthy replica (drain_timeout_s, 30 s) on a process that will not finish it."""
     body = {**LONG, "temperature": 0}
     unbroken = app.generate.remote(body).result()
-    stopped: dict[str, Any] = {}
 
-    def stop_the_engine() -> None:
-        stopped["worker"] = wait_for(lambda: busy_worker(app), 10, "the busy worker")
+    def stop_the_engine() -> tuple[str, int, float]:
+        """SIGSTOP the engine process of the worker that runs the stream: (worker, pid, when)."""
+        worker = wait_for(lambda: busy_worker(app), 10, "the busy worker")
         engines = ray.get(get_index_actor(_fingerprint()).workers.remote())
-        handle = engines[stopped["worker"]]["handle"]
-        stopped["pid"] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
-        os.kill(stopped["pid"], signal.SIGSTOP)
-        stopped["at"] = time.monotonic()
+        pid = ray.get(engines[worker]["handle"].__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        return worker, pid, time.monotonic()
 
-    chunks = _stream(app, body, 5, stop_the_engine)
-    took = time.monotonic() - stopped["at"]
+    chunks, (worker, pid, stopped_at) = _stream(app, body, 5, stop_the_engine)
+    took = time.monotonic() - stopped_at
     assert [t for c in chunks for t in c["token_ids"]] == unbroken["token_ids"]
     last = chunks[-1]["kvmesh"]
-    assert last["migrations"] == 1 and last["worker"] != stopped["worker"]
+    assert last["migrations"] == 1 and last["worker"] != worker
     assert took < 20.0, f"the stream waited {took:.0f} s for its hung worker"
-    assert not process_alive(stopped["pid"])  # killed by its replica
+    assert not process_alive(pid)  # killed by its replica
     _healed(app)
 
 
