@@ -6,6 +6,12 @@ releases and block exports from pulling peers) and ``control`` (health checks, l
 flushes). A full house of long streams must not make the health check time out (Serve
 would kill a healthy worker) nor a peer's pull wait. Only ``Worker``'s step thread touches
 the engine.
+
+This module stays light (no torch, no engine at import): deserializing an actor handle makes
+Ray import its class's module, and the index actor receives every worker's handle. With torch
+imported here, a new index stalled ~3 s on its first ``register`` (each rejoin after an index
+loss waited for it) and held ~180 MB of torch it never uses. ``Worker`` and torch load in
+``__init__``, in the worker's own process.
 """
 
 from __future__ import annotations
@@ -14,19 +20,20 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import ray
-import torch
 
 from kvmesh.workers.block_hash import BlockHash, block_hashes
-from kvmesh.workers.engine import ConnectorFactory
-from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.sampling_params import SamplingParams
-from kvmesh.workers.worker import Worker
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvmesh.workers.engine import ConnectorFactory
+    from kvmesh.workers.engine_config import EngineConfig
 
 MAX_CONCURRENCY = 64  # streams
 PEER_BLOCKS_TIMEOUT_S = 30.0  # how long ``peer_blocks`` waits for the connector's answer
@@ -43,6 +50,10 @@ class WorkerActor:
         connector: ConnectorFactory | None = None,
         num_threads: int | None = None,
     ) -> None:
+        import torch
+
+        from kvmesh.workers.worker import Worker
+
         # CPU workers share the host's cores: each takes its share, or all of them slow down.
         if num_threads is not None:
             torch.set_num_threads(max(1, num_threads))
