@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -61,15 +62,25 @@ def smollm2_llm():
 
 @pytest.fixture(scope="session")
 def smollm2_hf():
-    """transformers' own GGUF loader on the same file: an independent reference."""
+    """transformers' own GGUF loader on the same file: an independent reference.
+
+    transformers opens the file with a new ``gguf.GGUFReader`` three times (config, weights,
+    tokenizer) and builds gguf's tensor-name map once per tensor (397 times): most of its
+    ~35 s here. Both are pure functions of their arguments, so they are memoized while it loads;
+    what transformers computes from them is unchanged.
+    """
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvmesh.workers.loader import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     kw = {"gguf_file": path.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw).eval()
-    return model, AutoTokenizer.from_pretrained(path.parent, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("GGUFReader", "get_tensor_name_map"):
+            mp.setattr(gguf, name, functools.cache(getattr(gguf, name)))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
+        return model.eval(), AutoTokenizer.from_pretrained(path.parent, **kw)
 
 
 # -- the OpenAI API over a LocalBackend (tests/test_openai_*.py) -------------------------------
