@@ -30,7 +30,8 @@ from kvmesh.cluster.serve_app import APP_NAME
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
 from tests.serve_helpers import kill_worker, process_alive
 from tests.two_hosts import rate_bits
-from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, streamed, traffic
+from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
+from tests.two_hosts_client import reference as no_fault_outputs
 
 SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
 
@@ -43,31 +44,9 @@ def texts(n: int, salt: int) -> list[str]:
     return [f"{SHARED} {prompt(12, salt=salt * 1000 + i)}" for i in range(n)]
 
 
-# The reference engine's pool: 64 prompts of ~550 tokens in 16-token blocks, with room.
-REFERENCE_BLOCKS = 8192
-
-
 def reference(n: int, max_tokens: int, salt: int) -> dict[str, Any]:
-    """The no-fault outputs of ``traffic``'s requests for ``texts(n, salt)``, in order, from
-    an in-process engine: each streamed request's text as its deltas join, each other's as
-    its output gives it (as the API serves them)."""
-    from kvmesh import LLM, SamplingParams
-
-    llm = LLM(MODEL, num_kv_blocks=REFERENCE_BLOCKS, progress=False)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    ask = texts(n, salt)
-    joined: dict[str, list[str]] = {}
-    finished: dict[str, Any] = {}  # request id -> its RequestOutput
-    for delta in llm.stream(ask, params):
-        joined.setdefault(delta.request_id, []).append(delta.text)
-        if delta.output is not None:
-            finished[delta.request_id] = delta.output
-    by_text = {out.prompt: (rid, out.text) for rid, out in finished.items()}
-    results = []
-    for i, text in enumerate(ask):
-        rid, whole = by_text[text]
-        results.append({"ok": True, "text": "".join(joined[rid]) if streamed(i) else whole})
-    return {"results": results}
+    """The no-fault outputs of ``traffic``'s requests for ``texts(n, salt)``."""
+    return no_fault_outputs(texts(n, salt), max_tokens)
 
 
 def summary(name: str, ref: dict, run: dict, **figures: Any) -> dict[str, Any]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,11 +39,16 @@ def prompt(n_words: int, salt: int = 0) -> str:
 
 
 def complete(
-    base_url: str, text: str, max_tokens: int, stream: bool = False, model: str = MODEL
+    base_url: str,
+    text: str,
+    max_tokens: int,
+    stream: bool = False,
+    model: str = MODEL,
+    on_first_text: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One greedy completion: its text, its ``kvmesh`` object, and when streamed the chunks
     that carried text and the seconds to the first (or an error's class and HTTP status,
-    never raised)."""
+    never raised). A stream calls ``on_first_text`` when its first text arrives."""
     body = {"ignore_eos": True}
     try:
         c = client(base_url)
@@ -61,7 +68,10 @@ def complete(
             extra_body=body,
         ):
             if chunk.choices and chunk.choices[0].text:
-                ttft = ttft or time.perf_counter() - start
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                    if on_first_text is not None:
+                        on_first_text()
                 parts.append(chunk.choices[0].text)
             kv = (chunk.model_extra or {}).get("kvmesh", kv)
         text = "".join(parts)
@@ -103,15 +113,53 @@ def streamed(i: int) -> bool:
     return i % 2 == 1
 
 
-def traffic(base_url: str, texts: list[str], max_tokens: int, concurrency: int = 16) -> dict:
-    """Every text once, greedy, every other one streamed; results in order."""
+def traffic(
+    base_url: str, texts: list[str], max_tokens: int, concurrency: int = 16, announce: bool = False
+) -> dict:
+    """Every text once, greedy, every other one streamed; results in order. With
+    ``announce``, prints ``{"streaming": n}`` first, once each of the n streams has had text:
+    the load is then under way on the workers, however fast or slow the machine."""
+    waiting = sum(streamed(i) for i in range(len(texts)))
+    lock = threading.Lock()
+
+    def first_text() -> None:
+        nonlocal waiting
+        with lock:
+            waiting -= 1
+            if waiting == 0 and announce:
+                print(json.dumps({"streaming": sum(map(streamed, range(len(texts))))}), flush=True)
+
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         futures = [
-            pool.submit(complete, base_url, t, max_tokens, streamed(i)) for i, t in enumerate(texts)
+            pool.submit(complete, base_url, t, max_tokens, streamed(i), on_first_text=first_text)
+            for i, t in enumerate(texts)
         ]
         results = [f.result() for f in futures]
     return {"results": results, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def reference(texts: list[str], max_tokens: int, num_kv_blocks: int = 8192) -> dict[str, Any]:
+    """What ``traffic`` gets for ``texts`` with no fault, in order, from an in-process engine
+    on ``MODEL``: each streamed request's text as its deltas join, each other's as its output
+    gives it (as the API serves them). Greedy, so a served output differs from it only if a
+    fault changed it. The default pool holds 64 prompts of ~550 tokens in 16-token blocks."""
+    from kvmesh import LLM, SamplingParams
+
+    llm = LLM(MODEL, num_kv_blocks=num_kv_blocks, progress=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    joined: dict[str, list[str]] = {}
+    finished: dict[str, Any] = {}  # request id -> its RequestOutput
+    for delta in llm.stream(texts, params):
+        joined.setdefault(delta.request_id, []).append(delta.text)
+        if delta.output is not None:
+            finished[delta.request_id] = delta.output
+    by_text = {out.prompt: (rid, out.text) for rid, out in finished.items()}
+    results = []
+    for i, text in enumerate(texts):
+        rid, whole = by_text[text]
+        results.append({"ok": True, "text": "".join(joined[rid]) if streamed(i) else whole})
+    return {"results": results}
 
 
 COMMANDS = {"wait_ready": wait_ready, "pull": pull, "traffic": traffic}
