@@ -173,6 +173,7 @@ async def _run(
     *,
     duration_s: float,
     factor: float,
+    rate_rps: float | None,
     concurrency: int,
     probe_s: float,
     max_tokens: int,
@@ -199,7 +200,7 @@ async def _run(
         closed = await _closed_loop(session, url, bodies, concurrency, probe_s, hang_s)
         ok = [r for r in closed if _outcome(r) == "admitted"]
         sustainable = len(ok) / (time.perf_counter() - probe_start)
-        rate = factor * sustainable
+        rate = rate_rps or factor * sustainable
         started = time.perf_counter()
         mid: dict[str, int] = {}
 
@@ -271,6 +272,7 @@ def run_overload(
     *,
     duration_s: float = 60.0,
     factor: float = 4.0,
+    rate_rps: float | None = None,
     concurrency: int = 8,
     probe_s: float = 20.0,
     max_tokens: int = 16,
@@ -286,6 +288,7 @@ def run_overload(
             model,
             duration_s=duration_s,
             factor=factor,
+            rate_rps=rate_rps,
             concurrency=concurrency,
             probe_s=probe_s,
             max_tokens=max_tokens,
@@ -334,6 +337,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of overload")
     ap.add_argument("--probe", type=float, default=20.0, help="seconds of closed loop")
     ap.add_argument("--factor", type=float, default=4.0, help="times the sustainable rate")
+    ap.add_argument(
+        "--rate", type=float, help="offer this many requests a second instead (comparisons)"
+    )
     ap.add_argument("--hang", type=float, default=120.0, help="seconds that make a hang")
     args = ap.parse_args()
 
@@ -356,6 +362,7 @@ def main() -> None:
             config.model_name,
             duration_s=args.duration,
             factor=args.factor,
+            rate_rps=args.rate,
             concurrency=config.worker_capacity,
             probe_s=args.probe,
             max_tokens=args.max_tokens,
