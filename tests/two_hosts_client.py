@@ -119,20 +119,28 @@ def traffic(
     """Every text once, greedy, every other one streamed; results in order. With
     ``announce``, prints ``{"streaming": n}`` first, once each of the n streams has had text:
     the load is then under way on the workers, however fast or slow the machine."""
-    waiting = sum(streamed(i) for i in range(len(texts)))
+    streams = sum(map(streamed, range(len(texts))))
+    waiting = streams
     lock = threading.Lock()
 
     def first_text() -> None:
         nonlocal waiting
         with lock:
             waiting -= 1
-            if waiting == 0 and announce:
-                print(json.dumps({"streaming": sum(map(streamed, range(len(texts))))}), flush=True)
+            if waiting == 0:
+                print(json.dumps({"streaming": streams}), flush=True)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         futures = [
-            pool.submit(complete, base_url, t, max_tokens, streamed(i), on_first_text=first_text)
+            pool.submit(
+                complete,
+                base_url,
+                t,
+                max_tokens,
+                streamed(i),
+                on_first_text=first_text if announce else None,
+            )
             for i, t in enumerate(texts)
         ]
         results = [f.result() for f in futures]
