@@ -13,7 +13,10 @@ admitted only while it is alone, so it can run at all.
 
 Both entry points share one ``Admission``: the HTTP routes through ``AdmitRequests`` (ASGI
 middleware, which leaves the request's ``Admitted`` in its scope for the route) and the
-Python handle through ``KvmeshServer`` (a place per choice as well).
+Python handle through ``KvmeshServer`` (a place per choice as well). Over HTTP the answers
+also name the admission limit of all ingress replicas together and the Retry-After
+(``ADMISSION_HEADER``), for the front door in Serve's proxy (``front_door.py``), which
+refuses a flood before it reaches the ingress.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from kvmesh.cluster.http_errors import DEFAULT_RETRY_AFTER_S, Overloaded, error_
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 SCOPE_KEY = "kvmesh.admitted"  # the ASGI scope's entry for the request's ``Admitted``
+# A generation answer's header: "limit=N; retry-after=S", N the sequences all ingress
+# replicas admit at once, S a refusal's Retry-After (``announcement``).
+ADMISSION_HEADER = b"kvmesh-admission"
 
 
 class Admission:
@@ -38,16 +44,25 @@ class Admission:
     """
 
     def __init__(self, limit: int | None, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
+        self.limit: int | None = None
+        self.retry_after_s = DEFAULT_RETRY_AFTER_S
+        self.resize(limit, retry_after_s)
+        self._admitted = 0
+        self._refused = 0
+        self._lock = threading.Lock()
+
+    def resize(self, limit: int | None, retry_after_s: float | None = None) -> None:
+        """A new limit (and Retry-After) from now on; what is admitted stays admitted, and a
+        smaller limit only refuses more until enough of it left."""
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
             raise ValueError(f"limit: must be an integer or None, got {limit!r}")
         if limit is not None and limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
-        if not 0 < retry_after_s < float("inf"):
+        if retry_after_s is not None and not 0 < retry_after_s < float("inf"):
             raise ValueError(f"retry_after_s: must be positive and finite, got {retry_after_s}")
-        self.limit, self.retry_after_s = limit, retry_after_s
-        self._admitted = 0
-        self._refused = 0
-        self._lock = threading.Lock()
+        self.limit = limit
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     @property
     def admitted(self) -> int:
@@ -143,12 +158,21 @@ class AdmitRequests:
     """ASGI middleware: ``admission`` for the generation routes (``paths``, POST); the rest
     (health, metrics, models, the schema) pass untouched. The places are held while the inner
     app runs, which for a stream is until its last event was sent or its client left; the
-    route finds the request's ``Admitted`` under ``SCOPE_KEY`` (see ``hold_places``)."""
+    route finds the request's ``Admitted`` under ``SCOPE_KEY`` (see ``hold_places``). With
+    ``announce``, every generation answer, refusals included, names it and the Retry-After
+    in ``ADMISSION_HEADER``; ``on_refuse`` is called for each refusal (a metric)."""
 
     def __init__(
-        self, app: Any, admission: Admission, paths: Collection[str] = GENERATION_PATHS
+        self,
+        app: Any,
+        admission: Admission,
+        paths: Collection[str] = GENERATION_PATHS,
+        announce: int | None = None,
+        on_refuse: Callable[[], None] | None = None,
     ) -> None:
         self.app, self.admission, self.paths = app, admission, frozenset(paths)
+        self.announce = announce
+        self.on_refuse = on_refuse
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if (
@@ -158,11 +182,51 @@ class AdmitRequests:
         ):
             await self.app(scope, receive, send)
             return
+        send = self.sending(send)
         try:
-            admitted = scope[SCOPE_KEY] = self.admission.admit()
+            admitted = self.admission.admit()
         except Overloaded as e:
+            if self.on_refuse is not None:
+                self.on_refuse()
             # Refused before the body is read: the server drains or closes the connection.
             await error_response(e)(scope, receive, send)
             return
+        self.keep(scope, admitted)
         with admitted:
             await self.app(scope, receive, send)
+
+    def keep(self, scope: MutableMapping[str, Any], admitted: Admitted) -> None:
+        """Where the route finds its request's places (``hold_places``)."""
+        scope[SCOPE_KEY] = admitted
+
+    def sending(self, send: Callable) -> Callable:
+        """``send`` for one generation request: it adds ``ADMISSION_HEADER`` when announcing."""
+        if self.announce is None:
+            return send
+        header = (ADMISSION_HEADER, announcement(self.announce, self.admission.retry_after_s))
+
+        async def announcing(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        return announcing
+
+
+def announcement(limit: int, retry_after_s: float) -> bytes:
+    """``ADMISSION_HEADER``'s value."""
+    return f"limit={limit}; retry-after={retry_after_s:g}".encode()
+
+
+def parse_announcement(value: bytes) -> tuple[int, float] | None:
+    """``announcement``'s (limit, Retry-After in seconds); None unless both are there and
+    positive (finite)."""
+    fields: dict[str, str] = {}
+    for part in bytes(value).decode("latin-1").split(";"):
+        key, _, given = part.partition("=")
+        fields[key.strip()] = given.strip()
+    try:
+        limit, retry_after_s = int(fields["limit"]), float(fields["retry-after"])
+    except (KeyError, ValueError):
+        return None
+    return (limit, retry_after_s) if limit > 0 and 0 < retry_after_s < float("inf") else None

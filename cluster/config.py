@@ -205,6 +205,11 @@ class ServeConfig:
         return share + self.max_queued_requests
 
     @property
+    def cluster_admission_limit(self) -> int:
+        """Sequences all ingress replicas admit at once together."""
+        return self.admission_limit * self.ingress_replicas
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 

@@ -66,6 +66,7 @@ def build_api(
     metrics: ServeMetrics | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     admission: Admission | None = None,
+    announce_limit: int | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` as the one model ``model_name``.
 
@@ -73,7 +74,9 @@ def build_api(
     name workers and show load: a scraper sends the key as a bearer token); /health, /docs
     and /openapi.json stay open (probes carry no key). A request body over
     ``max_request_bytes`` gets a 413. With ``admission``, the generation routes admit at
-    most its limit at once and answer the rest 429 with ``Retry-After`` at once.
+    most its limit at once and answer the rest 429 with ``Retry-After`` at once; with
+    ``announce_limit`` too, their answers name it (all ingress replicas' limit) for the
+    front door in Serve's proxy (``front_door.py``).
     """
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int):
         raise ValueError(f"max_request_bytes: must be an integer, got {max_request_bytes!r}")
@@ -84,7 +87,9 @@ def build_api(
     # The last added runs first: count everything, refuse overload before reading a body.
     app.add_middleware(LimitBody, max_bytes=max_request_bytes)
     if admission is not None:
-        app.add_middleware(AdmitRequests, admission=admission, paths=GENERATION_PATHS)
+        app.add_middleware(
+            AdmitRequests, admission=admission, paths=GENERATION_PATHS, announce=announce_limit
+        )
     app.add_middleware(CountRequests, metrics=metrics, paths=GENERATION_PATHS)
     add_error_handlers(app)
     add_openapi(app, secured=api_key is not None)

@@ -17,7 +17,9 @@ rest get a 429 with ``Retry-After`` and OpenAI's error body, over the handle Ser
 ``BackPressureError``. Behind it, Serve's ``max_queued_requests`` on each worker deployment
 (``admission_limit`` as well, a backstop; its ``BackPressureError`` is a 429 too) bounds what
 waits at a caller for a worker replica; in front of it, Serve's proxy queues at most
-``INGRESS_SPARE_SLOTS`` requests for an ingress slot (past that, Serve's own plain-text 429).
+``INGRESS_SPARE_SLOTS`` requests for an ingress slot (past that, Serve's own plain-text 429),
+and before that the front door in the proxy (``front_door.py``) refuses what is past all
+ingress replicas' limit without a hop to them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ray.serve.exceptions import BackPressureError
 from kvmesh.cluster.admission import Admission, Admitted
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.front_door import controller_env
 from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
@@ -144,6 +147,7 @@ class KvmeshServer:
             metrics=self.metrics,
             max_request_bytes=self.config.max_request_bytes,
             admission=self.admission,
+            announce_limit=self.config.cluster_admission_limit,
         )
 
     async def chat(self, body: dict[str, Any]) -> Any:
@@ -337,6 +341,11 @@ def _backpressure(config: ServeConfig) -> BackpressureConfig:
 
 def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.DeploymentHandle:
     """Run the app on the connected Ray cluster (HTTP on config.host:config.port) and return
-    its handle. Call ``ray.init`` first, or this joins/starts one as Serve does."""
-    serve.start(http_options={"host": config.host, "port": config.port})
+    its handle. Call ``ray.init`` first, or this joins/starts one as Serve does. Serve, when
+    this starts it, gets kvmesh's front door in its proxies (``front_door.py``)."""
+    env = controller_env()
+    serve.start(
+        http_options={"host": config.host, "port": config.port},
+        controller_options={"runtime_env": {"env_vars": env}} if env else None,
+    )
     return serve.run(build_app(config.to_dict(), owner), name=APP_NAME, route_prefix="/")

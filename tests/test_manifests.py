@@ -55,7 +55,13 @@ def pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def serve_apps(rayservice: dict[str, Any]) -> tuple[ServeDeploySchema, list[ServeConfig]]:
+    """The RayService's Serve config and its apps' ServeConfigs; the Serve controller's
+    environment installs kvmesh's front door in the proxies, as ``serve_app.deploy`` does."""
+    from kvmesh.cluster.front_door import CALLBACK, CALLBACK_ENV
+
     schema = ServeDeploySchema.model_validate(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
+    assert schema.controller_options is not None
+    assert schema.controller_options.runtime_env == {"env_vars": {CALLBACK_ENV: CALLBACK}}
     return schema, [ServeConfig.from_dict(app.args) for app in schema.applications]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from kvmesh.cluster.admission import Admission
+from kvmesh.cluster.admission import ADMISSION_HEADER, Admission
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.launch import add_serve_args, config_from_args
 from kvmesh.cluster.local_backend import LocalBackend
@@ -268,7 +268,11 @@ def test_a_burst_far_above_the_limit_is_refused_fast_and_the_admitted_are_right(
             10,
             "the ingress to give every place back",
         )
-        assert stats["limit"] == 4 and stats["refused"] == len(refused)
+        # The ingress refused some (the 5th at once passes the door: its limit is 4 + its
+        # spare), the front door in Serve's proxy the rest, with the same 429; the door takes
+        # the header naming the ingress's limit off every answer.
+        assert stats["limit"] == 4 and 1 <= stats["refused"] <= len(refused)
+        assert all(ADMISSION_HEADER.decode() not in headers for _, headers, _, _ in answers)
 
         # The handle shares the bound: Serve's BackPressureError for the excess.
         def by_handle(i: int) -> Any:

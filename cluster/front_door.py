@@ -1,0 +1,109 @@
+"""The front door: admission in Serve's HTTP proxy, before a refusal costs a hop to the ingress.
+
+Every request the ingress refuses has still cost Serve's proxy an actor call and the ingress
+replica a request: about 6 ms of CPU each, measured on two cores at 200 req/s. When a flood
+arrives faster than the two can refuse it, a line forms in front of Serve's own bounds, and
+every answer waits in it, admitted or refused (35 s p99 for both in that run, growing with
+the flood; BENCHMARKS.md, Overload). The front door is ASGI middleware in the proxy: once
+this proxy holds as many generation requests as all ingress replicas admit together, plus
+``SPARE``, it answers the next ones itself, with the ingress's 429, ``Retry-After`` and
+OpenAI's body; those the ingress would have refused anyway. (Requests count once here and
+once per choice at the ingress, so the door never refuses what the ingress would admit.)
+
+It needs no settings of its own: every generation answer from the ingress names the limit
+and the Retry-After in ``admission.ADMISSION_HEADER``, which the door reads, and removes; a
+redeployed app with other settings corrects them with its first answer. Until an answer has
+named them, the door admits everything. The ``SPARE``
+covers the answers on their way back: a request the ingress has finished still counts here
+until its last bytes passed.
+
+Serve builds a proxy's middleware from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` in the
+proxy's environment, so the door is there when Serve's controller started with ``CALLBACK``
+in its ``runtime_env`` (``controller_env``): ``serve_app.deploy`` starts it so, and the
+RayService manifest's serveConfigV2 sets it in ``controller_options``. A proxy started
+otherwise has no door; the ingress still refuses, at the cost above.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+from kvmesh.cluster.admission import (
+    ADMISSION_HEADER,
+    GENERATION_PATHS,
+    Admission,
+    AdmitRequests,
+    Admitted,
+    parse_announcement,
+)
+
+logger = logging.getLogger(__name__)
+CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+CALLBACK = "kvmesh.cluster.front_door:middlewares"
+SPARE = 8  # measured: enough for the answers in transit at 200 req/s (BENCHMARKS.md)
+
+
+class FrontDoor(AdmitRequests):
+    """``AdmitRequests`` with the limit it learns from the answers passing through: the
+    ingress's ``ADMISSION_HEADER`` plus ``spare``; no limit until the first."""
+
+    def __init__(
+        self, app: Any, spare: int = SPARE, on_refuse: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(app, Admission(None), GENERATION_PATHS, on_refuse=on_refuse)
+        self.spare = spare
+
+    def keep(self, scope: MutableMapping[str, Any], admitted: Admitted) -> None:
+        """Nothing in the scope: Serve sends the scope on to the ingress, whose own
+        ``AdmitRequests`` keeps its places there."""
+
+    def sending(self, send: Callable) -> Callable:
+        async def learning(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = self.learn(message)
+            await send(message)
+
+        return learning
+
+    def learn(self, start: dict) -> dict:
+        """The ``http.response.start`` message ``start`` without ``ADMISSION_HEADER``, after
+        taking the limit and Retry-After it names."""
+        headers = start.get("headers") or []
+        kept = [(k, v) for k, v in headers if bytes(k).lower() != ADMISSION_HEADER]
+        if len(kept) == len(headers):
+            return start  # not the ingress's answer: the door's own refusal, or Serve's
+        for name, value in headers:
+            if bytes(name).lower() == ADMISSION_HEADER and (named := parse_announcement(value)):
+                limit, retry_after_s = named
+                self.admission.resize(limit + self.spare, retry_after_s)
+        return {**start, "headers": kept}
+
+
+def middlewares() -> list[Any]:
+    """Serve's proxy callback (``CALLBACK``): the front door, and the Ray metric that counts
+    its refusals (Serve's own proxy metrics never see them)."""
+    from ray.util.metrics import Counter
+    from starlette.middleware import Middleware
+
+    refused = Counter(
+        "kvmesh_front_door_refused",
+        description="Generation requests refused 429 by the front door in Serve's proxy.",
+    )
+    return [Middleware(FrontDoor, on_refuse=refused.inc)]
+
+
+def controller_env() -> dict[str, str]:
+    """The ``env_vars`` for Serve's controller (which its proxies inherit) that install the
+    door; nothing when this process's environment names another callback already (that
+    callback may return ``middlewares()`` with its own)."""
+    if os.environ.get(CALLBACK_ENV, CALLBACK) != CALLBACK:
+        logger.warning(
+            "%s is set to %s: Serve's proxies get that instead of kvmesh's front door",
+            CALLBACK_ENV,
+            os.environ[CALLBACK_ENV],
+        )
+        return {}
+    return {CALLBACK_ENV: CALLBACK}

@@ -1,0 +1,154 @@
+"""The front door in Serve's proxy, as plain ASGI without Ray: it learns the ingress's limit
+from its answers, refuses past it plus its spare with the ingress's own 429, removes the
+header, and leaves the other routes alone. The door inside a real Serve proxy:
+tests/test_overload.py's burst."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from kvmesh.cluster.admission import ADMISSION_HEADER, Admission, AdmitRequests
+from kvmesh.cluster.front_door import CALLBACK, CALLBACK_ENV, FrontDoor, controller_env
+
+GEN = "/v1/completions"
+
+
+class Ingress:
+    """An ingress as the door sees it through Serve: a hop (``hop``, an event the test
+    opens) to ``AdmitRequests`` announcing its limit, over a route that answers 200 once
+    ``release`` is set."""
+
+    def __init__(self, limit: int, retry_after_s: float = 3.0) -> None:
+        self.hop, self.release = asyncio.Event(), asyncio.Event()
+        self.hop.set()
+        self.release.set()
+        self.arrived = 0
+        self.admission = Admission(limit, retry_after_s)
+        self.app = AdmitRequests(self.route, self.admission, announce=limit)
+
+    async def route(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        self.arrived += 1
+        await self.hop.wait()
+        await self.app(scope, receive, send)
+
+
+async def call(app: Any, path: str = GEN, method: str = "POST") -> tuple[int, dict, bytes]:
+    """One request through ``app``: its status, headers (lower-case names) and body."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+    start = sent[0]
+    headers = {bytes(k).decode().lower(): bytes(v).decode() for k, v in start["headers"]}
+    return start["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_the_door_refuses_past_the_learned_limit_plus_its_spare() -> None:
+    async def run() -> None:
+        ingress = Ingress(limit=3)
+        refusals: list[int] = []
+        door = FrontDoor(ingress, spare=2, on_refuse=lambda: refusals.append(1))
+        # Nothing named yet: the door admits all, and the first answer teaches it.
+        status, headers, _ = await call(door)
+        assert status == 200 and ADMISSION_HEADER.decode() not in headers
+        assert (door.admission.limit, door.admission.retry_after_s) == (3 + 2, 3.0)
+
+        # A flood: 9 at once while the hop is slow and the admitted hold their places.
+        ingress.hop.clear()
+        ingress.release.clear()
+        ingress.arrived = 0
+        flood = [asyncio.create_task(call(door)) for _ in range(9)]
+        await settle()
+        assert ingress.arrived == 5  # the door's limit; the other 4 never left the proxy
+        assert len(refusals) == 4 and ingress.admission.refused == 0
+        ingress.hop.set()
+        await settle()
+        ingress.release.set()
+        answers = await asyncio.gather(*flood)
+
+        statuses = sorted(a[0] for a in answers)
+        assert statuses == [200] * 3 + [429] * 6
+        assert ingress.admission.refused == 2  # the spare: refused by the ingress itself
+        for status, headers, body in answers:
+            assert ADMISSION_HEADER.decode() not in headers
+            if status == 429:
+                error = json.loads(body)["error"]
+                assert (error["type"], error["code"]) == ("overloaded_error", "overloaded")
+                assert headers["retry-after"] == "3"  # the door's refusals as the ingress's
+        assert door.admission.admitted == 0 and ingress.admission.admitted == 0
+
+    asyncio.run(run())
+
+
+def test_the_door_follows_a_redeployed_limit_and_ignores_a_bad_one() -> None:
+    async def run() -> None:
+        ingress = Ingress(limit=2)
+        door = FrontDoor(ingress, spare=1)
+        await call(door)
+        assert door.admission.limit == 3
+        bigger = Ingress(limit=10)
+        door.app = bigger  # the app redeployed behind the same proxy
+        await call(door)
+        assert door.admission.limit == 11
+
+        for value in (b"zero", b"limit=0; retry-after=1", b"limit=4", b"limit=4; retry-after=inf"):
+
+            async def bad(scope: dict, receive: Any, send: Any, value: bytes = value) -> None:
+                headers = [(ADMISSION_HEADER, value), (b"content-type", b"application/json")]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": b"{}"})
+
+            door.app = bad
+            status, headers, _ = await call(door)
+            assert status == 200 and door.admission.limit == 11, value
+            assert headers == {"content-type": "application/json"}
+
+    asyncio.run(run())
+
+
+def test_other_routes_pass_the_door_untouched_and_uncounted() -> None:
+    async def run() -> None:
+        ingress = Ingress(limit=1)
+        door = FrontDoor(ingress, spare=0)
+        await call(door)
+        ingress.release.clear()
+        held = asyncio.create_task(call(door))
+        await settle()
+        assert door.admission.admitted == 1
+        assert (await call(door))[0] == 429  # the door is full ...
+        for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("GET", GEN)):
+            ingress.release.set()  # ... and the other routes go through it
+            assert (await call(door, path, method))[0] == 200
+        await held
+        assert door.admission.admitted == 0 and door.admission.refused == 1
+
+    asyncio.run(run())
+
+
+def test_the_controller_env_names_the_door_unless_another_callback_is_set(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(CALLBACK_ENV, raising=False)
+    assert controller_env() == {CALLBACK_ENV: CALLBACK}
+    monkeypatch.setenv(CALLBACK_ENV, "theirs:callback")
+    assert controller_env() == {}
+    assert "theirs:callback" in caplog.text
