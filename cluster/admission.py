@@ -171,7 +171,12 @@ class AdmitRequests:
         on_refuse: Callable[[], None] | None = None,
     ) -> None:
         self.app, self.admission, self.paths = app, admission, frozenset(paths)
-        self.announce = announce
+        # Built once: the ingress's limit and Retry-After do not change while it runs.
+        self.header = (
+            None
+            if announce is None
+            else (ADMISSION_HEADER, announcement(announce, admission.retry_after_s))
+        )
         self.on_refuse = on_refuse
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -201,9 +206,9 @@ class AdmitRequests:
 
     def sending(self, send: Callable) -> Callable:
         """``send`` for one generation request: it adds ``ADMISSION_HEADER`` when announcing."""
-        if self.announce is None:
+        header = self.header
+        if header is None:
             return send
-        header = (ADMISSION_HEADER, announcement(self.announce, self.admission.retry_after_s))
 
         async def announcing(message: dict) -> None:
             if message["type"] == "http.response.start":
