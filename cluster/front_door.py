@@ -21,7 +21,8 @@ Serve builds a proxy's middleware from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PA
 proxy's environment, so the door is there when Serve's controller started with ``CALLBACK``
 in its ``runtime_env`` (``controller_env``): ``serve_app.deploy`` starts it so, and the
 RayService manifest's serveConfigV2 sets it in ``controller_options``. A proxy started
-otherwise has no door; the ingress still refuses, at the cost above.
+otherwise has no door; the ingress still refuses, at the cost above, and ``deploy`` says so
+(``warn_if_missing``) when it finds Serve already running without it.
 """
 
 from __future__ import annotations
@@ -107,3 +108,34 @@ def controller_env() -> dict[str, str]:
         )
         return {}
     return {CALLBACK_ENV: CALLBACK}
+
+
+def installed(controller: Any) -> bool:
+    """Whether the process of Ray actor ``controller`` (Serve's controller, whose
+    environment its proxies get) names the door's callback."""
+    import ray
+
+    env = controller.__ray_call__.remote(lambda _: os.environ.get(CALLBACK_ENV))
+    return ray.get(env, timeout=30) == CALLBACK
+
+
+def warn_if_missing(controller: Any = None) -> bool:
+    """After ``serve.start``: warn, and True, when the running Serve (``controller``: its
+    controller actor, by default looked up) has no door: someone started it before
+    ``deploy`` did, and ``serve.start`` leaves a running Serve as it is."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    if controller is None:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    if installed(controller):
+        return False
+    logger.warning(
+        "Serve was already running, started without kvmesh's front door: a flood past the "
+        "admission limit costs a hop to the ingress for every refusal (docs/design.md, "
+        "Overload). Shut Serve down first (`serve shutdown`), or start it with "
+        "controller_options={'runtime_env': {'env_vars': {'%s': '%s'}}}",
+        CALLBACK_ENV,
+        CALLBACK,
+    )
+    return True

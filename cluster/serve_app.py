@@ -37,10 +37,10 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError
 
+from kvmesh.cluster import front_door
 from kvmesh.cluster.admission import Admission, Admitted
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.front_door import controller_env
 from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
@@ -343,9 +343,11 @@ def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.Deploy
     """Run the app on the connected Ray cluster (HTTP on config.host:config.port) and return
     its handle. Call ``ray.init`` first, or this joins/starts one as Serve does. Serve, when
     this starts it, gets kvmesh's front door in its proxies (``front_door.py``)."""
-    env = controller_env()
+    env = front_door.controller_env()
     serve.start(
         http_options={"host": config.host, "port": config.port},
         controller_options={"runtime_env": {"env_vars": env}} if env else None,
     )
+    if env:
+        front_door.warn_if_missing()
     return serve.run(build_app(config.to_dict(), owner), name=APP_NAME, route_prefix="/")

@@ -1,7 +1,8 @@
 """The front door in Serve's proxy, as plain ASGI without Ray: it learns the ingress's limit
 from its answers, refuses past it plus its spare with the ingress's own 429, removes the
 header, and leaves the other routes alone. The door inside a real Serve proxy:
-tests/test_overload.py's burst."""
+tests/test_overload.py's burst. Whether a Ray actor's process has the door's callback (what
+``deploy`` asks Serve's controller): real Ray actors, with and without it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from typing import Any
 import pytest
 
 from kvmesh.cluster.admission import ADMISSION_HEADER, Admission, AdmitRequests
-from kvmesh.cluster.front_door import CALLBACK, CALLBACK_ENV, FrontDoor, controller_env
+from kvmesh.cluster.front_door import (
+    CALLBACK,
+    CALLBACK_ENV,
+    FrontDoor,
+    controller_env,
+    installed,
+    warn_if_missing,
+)
+from tests.ray_fixtures import ray_session  # noqa: F401
 
 GEN = "/v1/completions"
 
@@ -152,3 +161,26 @@ def test_the_controller_env_names_the_door_unless_another_callback_is_set(
     monkeypatch.setenv(CALLBACK_ENV, "theirs:callback")
     assert controller_env() == {}
     assert "theirs:callback" in caplog.text
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_serve_controller_without_the_door_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """``deploy`` asks Serve's controller whether its proxies have the door: a controller
+    started by someone else (here a plain actor, as Serve's would be without the callback)
+    is warned about; one started with ``controller_env`` is not."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        pass
+
+    bare = Controller.remote()
+    with_door = Controller.options(runtime_env={"env_vars": controller_env()}).remote()
+    try:
+        assert installed(with_door) and not installed(bare)
+        assert not warn_if_missing(with_door) and "front door" not in caplog.text
+        assert warn_if_missing(bare)
+        assert "started without kvmesh's front door" in caplog.text and CALLBACK in caplog.text
+    finally:
+        for actor in (bare, with_door):
+            ray.kill(actor)

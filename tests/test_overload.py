@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from kvmesh.cluster import front_door
 from kvmesh.cluster.admission import ADMISSION_HEADER, Admission
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.launch import add_serve_args, config_from_args
@@ -240,6 +241,7 @@ def test_a_burst_far_above_the_limit_is_refused_fast_and_the_admitted_are_right(
     )
     assert config.admission_limit == 4
     handle = redeploy(config)
+    assert not front_door.warn_if_missing()  # deploy() started Serve with the door
     port = config.port
     try:
         prompts = [[3 + i, 5 + i, 7 + i, 11 + i, 13] for i in range(8)]
