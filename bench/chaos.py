@@ -26,6 +26,9 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
 - ``link_cut``: the link down for ``--cut-s`` under load, then up (Ray declares host b dead
   meanwhile; it is started again as an autoscaler would).
 - ``transfer_faults``, ``overload``, ``fuzz``: single-host scenarios of their own benches.
+  ``transfer_faults`` and ``fuzz``, whose figures are counts (and the soak's are counts and
+  memory), run one after the other beside the soak, on a Ray of their own (``beside``); the
+  rows whose figures are times run alone.
 
     sudo .venv/bin/python bench/chaos.py [--only pull_1gbit,worker_killed] [--quick]
 """
@@ -36,7 +39,10 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +63,38 @@ SLOW_LINK_RATES = ("1gbit", "5mbit")
 
 
 _SUITE_START = time.monotonic()
+_EMITTING = threading.Lock()  # rows come from the soak's side too (``beside``)
 
 
 def emit(row: dict[str, Any]) -> None:
     """One row, with the suite's seconds so far (``suite_s``): where the suite's time goes."""
-    print(json.dumps({**row, "suite_s": round(time.monotonic() - _SUITE_START)}), flush=True)
+    line = json.dumps({**row, "suite_s": round(time.monotonic() - _SUITE_START)})
+    with _EMITTING:
+        print(line, flush=True)
+
+
+@contextmanager
+def beside(work: Callable[[], None] | None) -> Iterator[None]:
+    """Run ``work`` on a thread for the duration; wait for it at the end, and raise what it
+    raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run, name="chaos-beside", daemon=True) if work else None
+    if thread:
+        thread.start()
+    try:
+        yield
+    finally:
+        if thread:
+            thread.join()
+    if raised:
+        raise raised[0]
 
 
 def driver(hosts: TwoHosts, scenario: str, model: str, timeout: float = 900, **kw: Any) -> dict:
@@ -151,7 +184,13 @@ def _serves_on_both(hosts: TwoHosts, url: str, within_s: float) -> bool:
     return False
 
 
-def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> None:
+def two_host_rows(
+    only: set[str],
+    quick: bool,
+    cut_s: float,
+    soak_s: float,
+    beside_soak: Callable[[], None] | None = None,
+) -> None:
     with TwoHosts(cpus=(1, 1)) as hosts:
         a_only = ["--ingress-resources", json.dumps({"host_a": 1})]
         pulls = [s for s in ("pull_1gbit", "pull_10gbit") if s in only]
@@ -189,7 +228,9 @@ def two_host_rows(only: set[str], quick: bool, cut_s: float, soak_s: float) -> N
                             streams=10, max_tokens=2000))  # fmt: skip
             if "soak" in only:
                 kw = {"seconds": soak_s, "n": n // 2, "max_tokens": tokens, "kill_every_s": 30.0}
-                emit(driver(hosts, "soak", "tiny-random", timeout=soak_s + 900, base_url=url, **kw))
+                with beside(beside_soak):
+                    emit(driver(hosts, "soak", "tiny-random", timeout=soak_s + 900,
+                                base_url=url, **kw))  # fmt: skip
             for s in ("host_lost", "link_cut"):
                 if s in only:
                     emit(host_fault(hosts, s, url, n, tokens, cut_s, FAULT_AFTER_S[quick]))
@@ -201,12 +242,13 @@ ONE_HOST = {
     "overload": (["bench/overload.py"], ["--duration", "15", "--probe", "10"]),
     "fuzz": (["bench/fuzz.py", "--cluster"], ["--cases", "100"]),
 }
+# Those whose figures are counts, not times: they run beside the soak when it runs.
+BESIDE_SOAK = ("transfer_faults", "fuzz")
 
 
-def one_host_rows(only: set[str], quick: bool) -> None:
-    for scenario, (command, quick_args) in ONE_HOST.items():
-        if scenario not in only:
-            continue
+def one_host_rows(scenarios: list[str], quick: bool) -> None:
+    for scenario in scenarios:
+        command, quick_args = ONE_HOST[scenario]
         args = [sys.executable, *command, *(quick_args if quick else [])]
         proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800)
         rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -229,8 +271,16 @@ def main() -> None:
     if unknown:
         p.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
     soak_s = min(args.soak_s, 60.0) if args.quick else args.soak_s
-    two_host_rows(only, args.quick, args.cut_s, soak_s)
-    one_host_rows(only, args.quick)
+    one_host = [s for s in ONE_HOST if s in only]
+    beside_soak = [s for s in BESIDE_SOAK if s in one_host] if "soak" in only else []
+    two_host_rows(
+        only,
+        args.quick,
+        args.cut_s,
+        soak_s,
+        (lambda: one_host_rows(beside_soak, args.quick)) if beside_soak else None,
+    )
+    one_host_rows([s for s in one_host if s not in beside_soak], args.quick)
 
 
 if __name__ == "__main__":

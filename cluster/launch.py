@@ -8,6 +8,7 @@ app on a shared cluster is left alone.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -150,6 +151,8 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     workers = config.num_unified_workers + config.prefill_workers + config.decode_workers
     # Logical CPUs: every worker gets its share even on a small machine.
     cpus = max(os.cpu_count() or 1, int(workers * config.num_cpus_per_worker) + 1)
+    # Serve's proxy will bind on this machine: a port in use fails now, not after Serve's start.
+    check_port_free(config)
     # address="local": a stale RAY_ADDRESS or /tmp/ray/ray_current_cluster is not joined.
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
@@ -237,6 +240,28 @@ def check_serve_free(config: ServeConfig, replace: bool = False) -> bool:
             f"cluster); pass --host {http.host} --port {http.port}"
         )
     return True
+
+
+def _port_in_use(config: ServeConfig) -> DeployFailed:
+    return DeployFailed(
+        f"port: {config.host}:{config.port} is in use (Serve's HTTP proxy could not bind it); "
+        "pass another --port"
+    )
+
+
+def check_port_free(config: ServeConfig) -> None:
+    """Bind the HTTP address as Serve's proxy (uvicorn, with SO_REUSEADDR) would, and let it
+    go, before starting a local Ray (whose Serve proxy binds on this machine): a port in use
+    fails in a moment instead of after Ray's and Serve's starts."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((config.host, config.port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise _port_in_use(config) from None
+            # Anything else (an address not on this machine, say) is Serve's to report.
 
 
 def stop_serving(started_serve: bool, owner: str) -> None:
@@ -356,10 +381,7 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
             deploy(config, owner)
         except RuntimeError as e:
             if "Failed to bind to address" in str(e):  # Serve's proxy, in a RayTaskError
-                raise DeployFailed(
-                    f"port: {config.host}:{config.port} is in use (Serve's HTTP proxy could "
-                    "not bind it); pass another --port"
-                ) from None
+                raise _port_in_use(config) from None
             if "Deploying application" not in str(e):
                 raise
             raise DeployFailed(_deploy_failure(APP_NAME)) from None
