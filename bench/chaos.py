@@ -5,9 +5,10 @@ One JSON line per scenario, each with ``scenario``, ``requests``, ``failed`` and
 (an output unlike the no-fault reference's, an in-process engine on the same prompts: greedy,
 so there must be none), ``suite_s`` (the suite's seconds so far) and the scenario's figures:
 
-- ``pull_1gbit``, ``pull_10gbit``: smollm2-135m, a long prompt computed on host b's worker and
-  pulled across the shaped link by host a's (round robin): bandwidth against the rate, TTFT
-  pulled against computed and a local hit.
+- ``pull_1gbit``, ``pull_10gbit``: smollm2-135m, a long prompt computed on one host's worker
+  and pulled across the shaped link by the other's (round robin), three times: bandwidth
+  against the rate, TTFT pulled against computed and a local hit (medians; ``shares`` lists
+  each pull's share of the rate).
 - ``slow_link``: kv_aware (tiny-random) with the link at 1 Gbit/s, then at 5 Mbit/s, where
   pulling a 1,900-token prefix is slower than computing it: long prompts computed on one
   worker, followers sent to the other pull or compute; the router must stop pulling once it
