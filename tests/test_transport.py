@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from kvmesh.connector.nixl_transport import NixlTransport
+from kvmesh.connector.nixl_transport import UCX_DEFAULTS, NixlTransport
 from kvmesh.connector.ray_transport import RayTransport
 from kvmesh.connector.transport import (
     BlockTransport,
@@ -43,6 +44,9 @@ class Node:
 
     def info(self) -> bytes:
         return self.transport.local_info()
+
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
 
     def snapshot(self) -> np.ndarray:
         return self.transport.kv_cache.data.numpy().copy()
@@ -242,3 +246,21 @@ def test_ray_transport_passes_the_lease_to_the_holder(ray_session: None) -> None
     assert puller.read_blocks(peer_id, [3, 1], [0, 5], 10.0, "the-lease") > 0
     assert seen == [("the-lease", [3, 1])]
     assert torch.equal(puller.kv_cache.data[:, :, [0, 5]], holder.kv_cache.data[:, :, [3, 1]])
+
+
+def test_nixl_sets_ucx_tcp_segments_unless_the_environment_does(ray_session: None) -> None:  # noqa: F811
+    """``UCX_DEFAULTS`` (64 KiB TCP segments: a slab in one message) are in a worker's
+    environment when its agent starts; a value the operator set stays."""
+    plain = Node.remote("nixl", "w-seg-default", 4, seed=0)
+    own = {"UCX_TCP_TX_SEG_SIZE": "16k"}
+    tuned = Node.options(runtime_env={"env_vars": own}).remote("nixl", "w-seg-own", 4, seed=0)
+    try:
+        for name, value in UCX_DEFAULTS.items():
+            assert ray.get(plain.env.remote(name)) == value
+        assert ray.get(tuned.env.remote("UCX_TCP_TX_SEG_SIZE")) == "16k"
+        assert (
+            ray.get(tuned.env.remote("UCX_TCP_RX_SEG_SIZE")) == UCX_DEFAULTS["UCX_TCP_RX_SEG_SIZE"]
+        )
+    finally:
+        for node in (plain, tuned):
+            ray.kill(node)
