@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     serve = sub.add_parser("serve", help="serve the OpenAI API on a Ray cluster")
-    from kvmesh.cluster.launch import add_serve_args
+    from kvmesh.cluster.serve_flags import add_serve_args
 
     add_serve_args(serve)
 
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command == "serve":
-            from kvmesh.cluster.launch import config_from_args, serve_forever
+            from kvmesh.cluster.launch import serve_forever
+            from kvmesh.cluster.serve_flags import config_from_args
 
             serve_forever(config_from_args(args), args.address, args.replace)
         elif args.command == "demo" and args.single:

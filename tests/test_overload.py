@@ -23,9 +23,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from kvmesh.cluster import front_door
 from kvmesh.cluster.admission import ADMISSION_HEADER, Admission
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.launch import add_serve_args, config_from_args
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
+from kvmesh.cluster.serve_flags import add_serve_args, config_from_args
 from kvmesh.cluster.worker_deployment import engine_config
 from tests.openai_helpers import MODEL, Spy, call
 from tests.openai_helpers import serve as serve_http

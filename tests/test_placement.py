@@ -8,8 +8,8 @@ import argparse
 import pytest
 
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.launch import add_serve_args, config_from_args
 from kvmesh.cluster.serve_app import build_app
+from kvmesh.cluster.serve_flags import add_serve_args, config_from_args
 
 
 def test_resources_reach_the_deployments() -> None:
