@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.connector.holder_sets import pullable_depth
+from kvmesh.workers.outputs import RequestMetrics
 
 PRIOR_T_TOKEN_S = 2e-3
 PRIOR_T_PULL_BLOCK_S = 2e-4
@@ -136,6 +137,26 @@ class CostModel:
             self.t_queue_s = _ema(self.t_queue_s, queue_s / queue_len, self.samples["queue"])
             self.samples["queue"] += 1
 
+    def observe_request(self, m: RequestMetrics, queue_len: int, block_size: int) -> None:
+        """``observe`` for a finished request as its worker measured it (``m``): the pull
+        time is that of its own reads (a read that failed counts; a request that hit the
+        blocks another request here pulled read nothing and teaches nothing about pulls)."""
+        if m.ttft_s is None:
+            return
+        self.observe(
+            m.ttft_s,
+            m.num_computed_tokens,
+            m.num_pulled_tokens // block_size,
+            queue_len,
+            pull_s=m.read_s if m.num_read_blocks else None,
+            read_blocks=m.num_read_blocks or None,
+            block_size=block_size,
+            queue_s=None
+            if m.first_scheduled_time is None
+            else m.first_scheduled_time - m.arrival_time,
+            tier=_tier_load(m, block_size),
+        )
+
     def observe_tier(self, medium: str, blocks: int, seconds: float) -> None:
         """``blocks`` copied from this worker's ``medium`` tier ("host" or "disk") into its
         pool in ``seconds``: a load, or a promotion a peer's pin asked for (the same copy)."""
@@ -144,6 +165,15 @@ class CostModel:
         key = f"t_{medium}_block_s"
         setattr(self, key, _ema(getattr(self, key), seconds / blocks, self.samples[medium]))
         self.samples[medium] += 1
+
+
+def _tier_load(m: RequestMetrics, block_size: int) -> tuple[str, int, float] | None:
+    """(medium, blocks, seconds) of a request's load from its worker's own tier, if any (a
+    load counts under the slowest medium it read)."""
+    for medium, tokens in (("disk", m.num_disk_hit_tokens), ("host", m.num_host_hit_tokens)):
+        if tokens >= block_size:
+            return medium, tokens // block_size, m.kv_load_s
+    return None
 
 
 def _ema(old: float, new: float, seen: int) -> float:

@@ -34,7 +34,7 @@ from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.memory_size import parse_memory
-from kvmesh.workers.outputs import RequestMetrics, StreamDelta
+from kvmesh.workers.outputs import StreamDelta
 from kvmesh.workers.worker_actor import worker_actor_class
 
 logger = logging.getLogger(__name__)
@@ -66,15 +66,6 @@ def pull_plan(plan: Plan | None, role: str) -> PullPlan | None:
     if plan.holder is not None and not plan.holder.startswith(f"{role}-"):
         return None
     return PullPlan(None)  # nothing to pull: the prefix is here, or nowhere
-
-
-def _tier_load(m: RequestMetrics, block_size: int) -> tuple[str, int, float] | None:
-    """(medium, blocks, seconds) of a request's load from its worker's own tier, if any (a
-    load counts under the slowest medium it read)."""
-    for medium, tokens in (("disk", m.num_disk_hit_tokens), ("host", m.num_host_hit_tokens)):
-        if tokens >= block_size:
-            return medium, tokens // block_size, m.kv_load_s
-    return None
 
 
 def engine_config(config: ServeConfig) -> EngineConfig:
@@ -116,7 +107,6 @@ class WorkerDeployment:
         self.info: dict[str, Any] = ray.get(self.actor.ready.remote(), timeout=READY_TIMEOUT_S)
         self.index = get_index_actor(self.info["fingerprint"]) if self.config.connector else None
         self.cost = CostModel()
-        self._reads = (0.0, 0)  # the connector's (pull_s, read_blocks) at the last sample
         self._host_tier = parse_memory(self.config.host_cache_memory) > 0
         self._promotions = (0, 0.0)  # its (promoted_blocks, promote_s) at the last sample
         self._stats: dict[str, Any] = {}
@@ -150,7 +140,6 @@ class WorkerDeployment:
         elif plan is not None and plan.local_blocks:
             await self._wait_for_arrival(request.chain[: plan.local_blocks])
         queue = (plan.queue if plan is not None else 0) or 0
-        planned_pull = plan is not None and bool(plan.pull_blocks or plan.wait_for)
         gen = self.actor.generate_stream.remote(
             request.prompt_ids,
             request.params,
@@ -176,7 +165,7 @@ class WorkerDeployment:
                         await flushed
                 if delta.output is not None:
                     finished = True
-                    await self._observe(delta, queue, planned_pull)
+                    self._observe(delta, queue)
                 yield delta
         except RayActorError:
             # The engine actor is gone: this replica can serve nothing more. Exit, so Serve
@@ -269,42 +258,10 @@ class WorkerDeployment:
                 except TimeoutError:
                     logger.warning("%s: a prefix never arrived; computing it", self.name)
 
-    async def _observe(self, delta: StreamDelta, queue: int, planned_pull: bool) -> None:
-        """Fold a finished request's measured TTFT and pull time into this worker's costs.
-        The pull time is the connector's read time since the last sample: for a request
-        that pulled, or was meant to (its read may have failed, e.g. on a slow link)."""
-        out = delta.output
-        assert out is not None
-        m = out.metrics
-        if m.ttft_s is None:
-            return
-        pull_s, read_blocks = None, None
-        blocks = m.num_pulled_tokens // self.config.block_size
-        if blocks or planned_pull:
-            try:
-                stats = await self.actor.connector_stats.remote()
-                seconds, read = stats.get("pull_s", 0.0), int(stats.get("read_blocks", 0))
-                if read > self._reads[1]:
-                    pull_s, read_blocks = seconds - self._reads[0], read - self._reads[1]
-                    if blocks:  # this request's share of the reads since the last sample
-                        pull_s, read_blocks = pull_s / read_blocks * blocks, blocks
-                self._reads = (seconds, read)
-            except Exception as e:
-                logger.debug("connector stats unavailable: %s", e)
-        self.cost.observe(
-            m.ttft_s,
-            m.num_computed_tokens,
-            blocks,
-            queue,
-            pull_s=pull_s,
-            backlog_tokens=0,
-            read_blocks=read_blocks,
-            block_size=self.config.block_size,
-            queue_s=m.first_scheduled_time - m.arrival_time
-            if m.first_scheduled_time is not None
-            else None,
-            tier=_tier_load(m, self.config.block_size),
-        )
+    def _observe(self, delta: StreamDelta, queue: int) -> None:
+        """Fold a finished request's measured TTFT and pull time into this worker's costs."""
+        assert delta.output is not None
+        self.cost.observe_request(delta.output.metrics, queue, self.config.block_size)
 
     async def check_health(self) -> None:
         """Serve's health check: fails when the actor is gone or its step thread is stuck.

@@ -65,6 +65,19 @@ class _LoadTask:
     holder: str | None  # the plan's or a kept answer's; None: look the index up
 
 
+@dataclass
+class _Reads:
+    """One load's transport reads so far (``LoadResult.read_blocks`` / ``read_s``)."""
+
+    blocks: int = 0
+    seconds: float = 0.0
+
+    def result(self, load_id: int, num_blocks: int, writing: bool = False) -> LoadResult:
+        return LoadResult(
+            load_id, num_blocks, writing=writing, read_blocks=self.blocks, read_s=self.seconds
+        )
+
+
 class PullLoader:
     def __init__(
         self,
@@ -228,23 +241,25 @@ class PullLoader:
 
     def _load(self, task: _LoadTask) -> LoadResult:
         """One load: the chosen holder, else (or when it refuses) the index's choice."""
+        reads = _Reads()
         try:
             if task.holder is not None:
-                filled = self._pull(task, task.holder, len(task.hashes))
+                filled = self._pull(task, task.holder, len(task.hashes), reads)
                 if filled:
-                    return LoadResult(task.load_id, filled)
+                    return reads.result(task.load_id, filled)
             holder, depth = self._query(task.hashes, exclude=task.holder)
             if holder is None:
-                return LoadResult(task.load_id, 0)
-            return LoadResult(task.load_id, self._pull(task, holder, depth))
+                return reads.result(task.load_id, 0)
+            return reads.result(task.load_id, self._pull(task, holder, depth, reads))
         except TransferInFlight as e:
             logger.warning("%s: %s; its blocks wait until it is over", self.worker_id, e)
             self._quarantine.append((task.load_id, e.is_over))
-            return LoadResult(task.load_id, 0, writing=True)
+            return reads.result(task.load_id, 0, writing=True)
 
-    def _pull(self, task: _LoadTask, holder: str, n: int) -> int:
-        """Pin the first ``n`` blocks at ``holder``, read them, release; blocks filled (0 on
-        any failure). Raises TransferInFlight when the read could not be stopped."""
+    def _pull(self, task: _LoadTask, holder: str, n: int, reads: _Reads) -> int:
+        """Pin the first ``n`` blocks at ``holder``, read them (counted in ``reads``, failed
+        or not), release; blocks filled (0 on any failure). Raises TransferInFlight when the
+        read could not be stopped."""
         n = min(n, len(task.hashes))
         hashes, local_ids = task.hashes[:n], task.block_ids[:n]
         try:
@@ -268,8 +283,11 @@ class PullLoader:
                         holder, remote_ids, local_ids, self.config.timeout_s, lease_id
                     )
                 finally:  # a failed read teaches the cost of pulling too (a slow link)
-                    self.count("pull_s", time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    self.count("pull_s", seconds)
                     self.count("read_blocks", n)
+                    reads.blocks += n
+                    reads.seconds += seconds
             finally:
                 handle.release.remote(lease_id)  # fire and forget; expiry covers a lost call
         except Exception as e:

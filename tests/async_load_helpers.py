@@ -39,7 +39,8 @@ class GatedConnector(InMemoryKvCacheConnector):
     on a thread of its own and does nothing until the test opens ``gate``. Then, by ``mode``:
     ``ok`` writes the blocks; ``fail`` scribbles over them and fails; ``writing`` scribbles,
     fails with the transfer still running, and scribbles again once ``transfer_over`` is set
-    (the late bytes of a transfer that cannot be stopped), then says it is over."""
+    (the late bytes of a transfer that cannot be stopped), then says it is over. Each result
+    reports its blocks as read, over the time from its start (as a transport's read would)."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         super().__init__(kv_cache.read_block, kv_cache.write_block)
@@ -64,21 +65,23 @@ class GatedConnector(InMemoryKvCacheConnector):
         return None
 
     def _run(self, load_id: int, payloads: list[bytes | None], block_ids: list[int]) -> None:
+        started = time.perf_counter()
         self.gate.wait()
+        reads = {"read_blocks": len(block_ids), "read_s": time.perf_counter() - started}
         if self.mode == "ok" and all(p is not None for p in payloads):
             for block_id, payload in zip(block_ids, payloads, strict=True):
                 assert payload is not None
                 self.writer(block_id, payload)
-            self._results.put(LoadResult(load_id, len(block_ids)))
+            self._results.put(LoadResult(load_id, len(block_ids), **reads))
         elif self.mode == "writing":
             self._scribble(block_ids[:1])
-            self._results.put(LoadResult(load_id, 0, writing=True))
+            self._results.put(LoadResult(load_id, 0, writing=True, **reads))
             self.transfer_over.wait()
             self._scribble(block_ids)  # lands in blocks the manager must not have reused
             self._results.put(LoadResult(load_id, 0, writing=False))
         else:
             self._scribble(block_ids)
-            self._results.put(LoadResult(load_id, 0))
+            self._results.put(LoadResult(load_id, 0, **reads))
 
     def _scribble(self, block_ids: list[int]) -> None:
         n = self.kv_cache.block_bytes_all_layers // 4

@@ -64,6 +64,28 @@ def test_a_slow_load_does_not_stop_other_decodes(reference: dict) -> None:
     eng.kv.check_integrity()
 
 
+def test_only_the_request_that_read_reports_the_reads(reference: dict) -> None:
+    """Two requests for one prefix: the first loads it, the second waits for that load and
+    hits its blocks. Only the first read anything (the router learns a pull's cost from it;
+    the second, charged the first's read, taught a pull ten times its cost)."""
+    eng, conn, d = primed()
+    first = eng.add_request(PREFIX, GREEDY)
+    d.step()
+    second = eng.add_request(PREFIX, GREEDY)
+    for _ in range(5):
+        d.step()
+    time.sleep(0.05)
+    conn.gate.set()
+    out = d.finish([first, second])
+    assert len(conn.block_ids) == 1  # one load
+    m1, m2 = out[first].metrics, out[second].metrics
+    assert m1.num_pulled_tokens == 40 and m1.num_read_blocks == 10
+    assert m1.read_s >= 0.05
+    assert m2.num_pulled_tokens == 0 and m2.num_local_hit_tokens == 40
+    assert m2.num_read_blocks == 0 and m2.read_s == 0.0
+    assert out[second].token_ids == reference[key(PREFIX, GREEDY)]
+
+
 def test_a_failed_load_computes_the_tokens(reference: dict) -> None:
     eng, conn, d = primed()
     conn.mode = "fail"  # the load scribbles over its blocks, then fails
@@ -73,6 +95,7 @@ def test_a_failed_load_computes_the_tokens(reference: dict) -> None:
     conn.gate.set()
     out = d.finish([rid])[rid]
     assert out.metrics.num_pulled_tokens == 0
+    assert out.metrics.num_read_blocks == 10  # the failed read is a cost to learn too
     assert out.metrics.num_computed_tokens == len(PREFIX)
     assert out.token_ids == reference[key(PREFIX, GREEDY)]
     eng.kv.check_integrity()

@@ -82,6 +82,7 @@ def test_the_plan_is_used_and_a_stale_one_falls_back(reference: dict) -> None:
         out = ray.get(b.generate.remote(PREFIX, GREEDY, pull_plan=PullPlan(a_id, depth)))
         after = stats(b)
         assert out.metrics.num_pulled_tokens == depth * BS
+        assert out.metrics.num_read_blocks == depth and out.metrics.read_s > 0
         assert out.token_ids == reference[key(PREFIX, GREEDY)]
         assert after["index_lookups"] == before["index_lookups"]
         assert after["pulls"] == before["pulls"] + 1
@@ -104,6 +105,7 @@ def test_the_plan_is_used_and_a_stale_one_falls_back(reference: dict) -> None:
         out = ray.get(b.generate.remote(ids, GREEDY, pull_plan=PullPlan(a_id, 8)))
         after = stats(b)
         assert out.metrics.num_pulled_tokens == 0
+        assert out.metrics.num_read_blocks == 0  # refused at the pin: nothing was read
         assert after["pull_failures"] == before["pull_failures"] + 1
         assert after["index_lookups"] == before["index_lookups"] + 1
 
@@ -154,6 +156,8 @@ def test_a_slow_read_on_a_real_worker_stops_no_stream(reference: dict) -> None:
         during = [t for t in times if start + 0.2 < t < start + 1.8]
         assert took >= 2.0  # the read did hang for its timeout
         assert out.metrics.num_pulled_tokens == 0
+        # The failed read is this request's: its time is what the router learns pulls cost.
+        assert out.metrics.num_read_blocks == plan.depth and out.metrics.read_s >= 2.0
         assert out.token_ids == reference[key(PREFIX, GREEDY)]
         assert len(during) >= 10, f"{len(during)} stream tokens while the read hung"
         assert stats(b)["injected_timeout"] == 1

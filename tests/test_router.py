@@ -3,10 +3,11 @@
 import pytest
 
 from kvmesh.cluster.request_router import _holder
-from kvmesh.cluster.router import CostModel, Router, WorkerView
+from kvmesh.cluster.router import PRIOR_T_TOKEN_S, CostModel, Router, WorkerView
 from kvmesh.connector.events import EventBatch, Stored, encode_batch
 from kvmesh.connector.holder_sets import pullable_depths
 from kvmesh.connector.kv_index import KvIndex
+from kvmesh.workers.outputs import RequestMetrics
 
 BS = 16
 
@@ -200,6 +201,32 @@ def test_cost_model_learns_from_observations() -> None:
     # A few tokens in a step measure the step, not the tokens: no sample.
     cost.observe(ttft_s=0.01, computed_tokens=10, pulled_blocks=0, queue_len=0)
     assert cost.t_token_s == pytest.approx(1e-3, rel=1e-3) and cost.samples["token"] == 150
+
+
+def test_a_request_learns_pull_costs_from_its_own_reads_only() -> None:
+    """``observe_request``: the request that read teaches the pull's cost; one that hit the
+    blocks another request pulled teaches none (it was charged the other's read as a failed
+    one: 32 ms a block at the prior's 2 ms a token, a link ten times slower than it was); a
+    read that failed teaches its wait plus computing its blocks."""
+    cost = CostModel()
+    reader = RequestMetrics(0.0, first_scheduled_time=0.0, first_token_time=0.105)
+    reader.num_pulled_tokens, reader.num_computed_tokens = 64 * BS, 5
+    reader.num_read_blocks, reader.read_s = 64, 0.1
+    cost.observe_request(reader, 0, BS)
+    assert cost.samples["pull"] == 1 and cost.t_pull_block_s == pytest.approx(0.1 / 64)
+    hitter = RequestMetrics(0.0, first_scheduled_time=0.1, first_token_time=0.11)
+    hitter.num_local_hit_tokens, hitter.num_computed_tokens = 64 * BS, 5
+    cost.observe_request(hitter, 0, BS)
+    assert cost.samples["pull"] == 1 and cost.t_pull_block_s == pytest.approx(0.1 / 64)
+    failed = RequestMetrics(0.0, first_scheduled_time=0.0, first_token_time=2.5)
+    failed.num_computed_tokens, failed.num_read_blocks, failed.read_s = 64 * BS + 5, 64, 2.0
+    cost.observe_request(failed, 0, BS)
+    assert cost.samples["pull"] == 2
+    spent = (2.0 + 64 * BS * PRIOR_T_TOKEN_S) / 64  # t_token_s was not learned yet
+    assert cost.t_pull_block_s == pytest.approx((0.1 / 64 + spent) / 2, rel=1e-3)
+    unfinished = RequestMetrics(0.0)  # aborted before its first token: no sample
+    cost.observe_request(unfinished, 0, BS)
+    assert cost.samples == {"token": 1, "pull": 2, "queue": 0, "host": 0, "disk": 0}
 
 
 def test_kv_aware_charges_each_tier_its_cost() -> None:

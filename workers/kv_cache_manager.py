@@ -246,12 +246,21 @@ class KVCacheManager:
                 self.num_cached_blocks.pop(rid, None)
                 self._release(blocks, load.blocks, result)
                 load.request.may_pull = False
-                out.append(LoadOutcome(load.request, 0, restart=True))
+                reads = {"read_blocks": result.read_blocks, "read_s": result.read_s}
+                out.append(LoadOutcome(load.request, 0, restart=True, **reads))
                 continue
             self.num_cached_blocks[rid] = load.num_local_blocks + n
             if load.num_local_blocks or n:
                 self.connector.on_hit(rid, load.num_local_blocks, n)
-            out.append(LoadOutcome(load.request, n * self.block_size, medium=result.medium))
+            out.append(
+                LoadOutcome(
+                    load.request,
+                    n * self.block_size,
+                    medium=result.medium,
+                    read_blocks=result.read_blocks,
+                    read_s=result.read_s,
+                )
+            )
         return out
 
     def _release(self, blocks: list[KVBlock], busy: list[KVBlock], result: LoadResult) -> None:

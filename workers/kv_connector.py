@@ -92,12 +92,16 @@ class LoadResult:
     ``writing``: failed, and a transfer may still write its blocks; a later result for the
     same ``load_id`` with ``writing=False`` says it has stopped. ``medium``: where the blocks
     came from: a peer's pool (pulled), or this worker's host or disk tier (the slowest read).
+    ``read_blocks`` / ``read_s``: the peer reads this load made, failed ones included (blocks
+    asked for, seconds in the transport): what the router learns a pull's cost from.
     """
 
     load_id: int
     num_blocks: int
     writing: bool = False
     medium: str = "peer"
+    read_blocks: int = 0
+    read_s: float = 0.0
 
 
 class KvCacheConnector(ABC):

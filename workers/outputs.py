@@ -28,6 +28,11 @@ class RequestMetrics:
     num_preemptions: int = 0
     # Seconds from starting the load of the loaded tokens (pulled or from a tier) to its end.
     kv_load_s: float = 0.0
+    # The peer reads this request's own loads made before its first token, failed ones too:
+    # blocks asked for and seconds in the transport. A request that waited for another's load
+    # and hit its blocks read nothing: the router learns a pull's cost from the reader alone.
+    num_read_blocks: int = 0
+    read_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:

@@ -142,8 +142,11 @@ class Scheduler:
                 continue
             del self.loading[req.request_id]
             started = self._load_started.pop(req.request_id, None)
-            if started is not None and req.metrics.first_token_time is None:
-                req.metrics.kv_load_s = time.perf_counter() - started
+            if req.metrics.first_token_time is None:
+                if started is not None:
+                    req.metrics.kv_load_s = time.perf_counter() - started
+                req.metrics.num_read_blocks += outcome.read_blocks
+                req.metrics.read_s += outcome.read_s
             if outcome.restart:
                 req.num_kv_tokens = 0
                 req.status = RequestStatus.WAITING
