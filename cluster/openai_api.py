@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over any ``Backend``: ``build_api(backend, model_name=...)``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``; the OpenAPI schema at
-``/openapi.json`` (``openapi_doc.py``) and its page at ``/docs``.
+``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``; the
+OpenAPI schema at ``/openapi.json`` (``openapi_doc.py``) and its page at ``/docs``.
 
 Every request is validated in full (types, model, sampling fields, prompt length against the
 context) before the backend sees it, and bad input gets a 4xx with OpenAI's error body and
@@ -50,7 +50,7 @@ from kvmesh.cluster.openapi_doc import (
     json_response,
     request_body,
 )
-from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest, model_not_found
 from kvmesh.cluster.request_parsing import B, parse_body
 
 logger = logging.getLogger(__name__)
@@ -149,14 +149,29 @@ def build_api(
         | error_responses(*(401,) if api_key else ()),
     )
     async def models() -> dict[str, Any]:
-        card = {
+        return {"object": "list", "data": [card()]}
+
+    # OpenAI's "retrieve model" (the openai client's models.retrieve); `:path` because a
+    # served name may hold a slash, as Hugging Face names do.
+    @v1.get(
+        "/models/{model:path}",
+        response_model=None,
+        responses=json_response("ModelCard", "The model, when it is the one served.")
+        | error_responses(*(401,) if api_key else (), 404),
+    )
+    async def model(model: str) -> dict[str, Any]:
+        if model != model_name:
+            raise model_not_found(model, model_name)
+        return card()
+
+    def card() -> dict[str, Any]:
+        return {
             "id": model_name,
             "object": "model",
             "created": started,
             "owned_by": "kvmesh",
             "max_model_len": backend.max_model_len,
         }
-        return {"object": "list", "data": [card]}
 
     @app.get("/health", response_model=None, responses=json_response("Health", "Serving."))
     async def health() -> dict[str, str]:

@@ -41,6 +41,16 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128
 
 
+def model_not_found(model: str, model_name: str) -> ApiError:
+    """The 404 for a model name other than the one served (OpenAI's code for it)."""
+    return ApiError(
+        404,
+        f"model: {model!r} does not exist; this server has {model_name!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
 class _Body(BaseModel):
     # No NaN or Infinity (not JSON, though parsers take them) and no 1e400 (parsed as inf).
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -176,12 +186,7 @@ class _GenerateBody(_Body):
         """Checks that need no tokens: the model, n, the fields kvmesh does not implement,
         stream_options without stream, and top_logprobs without logprobs."""
         if self.model is not None and self.model != model_name:
-            raise ApiError(
-                404,
-                f"model: {self.model!r} does not exist; this server has {model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(self.model, model_name)
         if not 1 <= self.n <= MAX_CHOICES:
             raise ApiError(400, f"n: must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
         for name, unsupported in self.UNSUPPORTED.items():

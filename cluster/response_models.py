@@ -193,6 +193,7 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionChunk,
     CompletionResponse,
     CompletionChunk,
+    ModelCard,
     ModelList,
     Health,
 )

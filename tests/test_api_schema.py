@@ -37,6 +37,7 @@ ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model}"),
     ("GET", "/health"),
     ("GET", "/metrics"),
 ]
@@ -65,7 +66,7 @@ def test_every_route_is_fuzzed(api_schema: Any) -> None:
 
 CASES = [(method, path, GenerationMode.POSITIVE) for method, path in ROUTES] + [
     (method, path, GenerationMode.NEGATIVE) for method, path in ROUTES if method == "POST"
-]  # a GET without parameters has no invalid request to generate
+]  # a GET has no invalid request to generate (a path parameter is any string)
 
 
 @pytest.mark.parametrize(("method", "path", "mode"), CASES)

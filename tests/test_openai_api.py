@@ -83,6 +83,18 @@ def test_models_and_health(client: openai.OpenAI, server: tuple[int, Spy]) -> No
     assert call(server[0], "GET", "/health") == (200, {"status": "ok"})
 
 
+def test_a_model_is_retrieved_by_name(client: openai.OpenAI, server: tuple[int, Spy]) -> None:
+    """OpenAI's GET /v1/models/{model}: the served model's card, a 404 for any other name."""
+    (listed,) = client.models.list().data
+    assert client.models.retrieve(MODEL) == listed
+    for other in ("gpt-4", "org/" + MODEL, MODEL.upper()):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(other)
+        assert e.value.code == "model_not_found" and repr(other) in e.value.message
+    status, body = call(server[0], "GET", "/v1/models/a/b%20c")
+    assert status == 404 and body["error"]["param"] == "model"
+
+
 def test_repeated_long_prompt_is_cached(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 3}]
     first = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
@@ -179,14 +191,16 @@ def test_unknown_fields_are_ignored(server: tuple[int, Spy]) -> None:
 
 def test_api_key(backend: LocalBackend) -> None:
     with serve(build_api(backend, model_name=MODEL, api_key="s3cret")) as port:
-        status, body = call(port, "GET", "/v1/models")
-        assert status == 401 and body["error"]["type"] == "authentication_error"
+        for path in ("/v1/models", f"/v1/models/{MODEL}", "/v1/models/other"):
+            status, body = call(port, "GET", path)
+            assert status == 401 and body["error"]["type"] == "authentication_error"
         base = f"http://127.0.0.1:{port}/v1"
         with pytest.raises(openai.AuthenticationError) as e:
             openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
         assert e.value.type == "authentication_error"
         right = openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0)
         assert [m.id for m in right.models.list()] == [MODEL]
+        assert right.models.retrieve(MODEL).id == MODEL
         assert right.completions.create(model=MODEL, prompt="a", max_tokens=2).usage
         assert call(port, "GET", "/health") == (200, {"status": "ok"})
 
