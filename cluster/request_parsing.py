@@ -62,16 +62,23 @@ _LOCATIONS = ("query", "path", "header", "cookie")
 
 
 def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """(message, param) of the first pydantic (or FastAPI request) validation error, param
-    like ``messages[0].content``.
+    """(message, param) of the most specific pydantic (or FastAPI request) validation error,
+    param like ``messages[0].content``.
 
-    pydantic's ``loc`` also holds union member tags (``str``, ``list[int]``): the path stops
-    at the first part that is neither a field name nor an index. FastAPI's start with where
-    the value was (``body``, ``query``, ...).
+    pydantic's ``loc`` also holds union member tags (``str``, ``list[TextPart]``), which are
+    not part of the path: only field names and indices are. A value that fits
+    none of a union's members gets an error from each; the one with the longest path is
+    about the member the value was meant for (content parts with an image part: its
+    ``type``, not "should be a valid string"). On a tie, the first. FastAPI's start with
+    where the value was (``body``, ``query``, ...).
     """
     if not errors:
         return "request body: invalid", None
-    err = errors[0]
+    described = [_describe(err) for err in errors]
+    return max(described, key=lambda d: len(d[1] or ""))  # max keeps the first of equals
+
+
+def _describe(err: Any) -> tuple[str, str | None]:
     loc = tuple(err.get("loc", ()))
     if err.get("type") == "json_invalid":
         return f"request body is not valid JSON: {err.get('msg', '')}", None
@@ -85,8 +92,7 @@ def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
             param += f"[{part}]"
         elif part in _FIELDS:
             param += f".{part}" if param else part
-        else:
-            break
+        # else a union member's tag: not part of the path
     if not param:
         return f"request body: {err.get('msg', 'invalid')}", None
     return f"{param}: {err.get('msg', 'invalid')}", param

@@ -123,6 +123,8 @@ def complete(**fields: Any) -> tuple[str, Any]:
 
 
 LONG = "x" * MAX_LEN
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+PART = "messages[0].content[0]"
 BAD_INPUT: dict[str, tuple[Any, ...]] = {  # case: ((path, body), param[, status])
     "invalid JSON": ((CHAT, b'{"model": "tiny-random", "messages": ['), None),
     "body not an object": ((CHAT, [1, 2]), None),
@@ -155,6 +157,12 @@ BAD_INPUT: dict[str, tuple[Any, ...]] = {  # case: ((path, body), param[, status
     "top_logprobs without logprobs": (chat(top_logprobs=2), "top_logprobs"),
     "top_logprobs 21": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     "logprobs a string": (chat(logprobs="yes"), "logprobs"),
+    # A union's error names the member the value was meant for (a list of parts), not "str".
+    "an image part": (chat(messages=[{"role": "user", "content": [IMAGE]}]), PART + ".type"),
+    "a text part without text": (
+        chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        PART + ".text",
+    ),
     "completion logprobs -1": (complete(logprobs=-1), "logprobs"),
 }
 
