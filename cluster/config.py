@@ -72,7 +72,9 @@ class ServeConfig:
     # A worker whose step thread made no progress for this long while it had work is
     # unhealthy (Serve replaces it).
     health_stall_s: float = 30.0
-    drain_timeout_s: float = 30.0  # how long a stopping worker lets running requests finish
+    # How long a stopping worker, or a stopping app's ingress, lets running requests finish
+    # (the app's then end with a 503).
+    drain_timeout_s: float = 30.0
     # A stream sends at most one message per interval: the tokens made in between go
     # together (the first at once). Each hop (engine actor, worker, ingress, HTTP) costs per
     # message; 0: no interval (what piled up while a consumer was busy still goes as one).

@@ -49,6 +49,7 @@ from kvmesh.workers.outputs import StreamDelta
 
 logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
+SHUTTING_DOWN = "the server is shutting down; retry on another server"
 # How often a worker reports the progress of an answer sent whole (a migration resumes from
 # the last report; a cancelled request is aborted within about this long).
 PROGRESS_INTERVAL_S = 1.0
@@ -92,6 +93,27 @@ class ClusterBackend:
         self.namespace: bytes = self.info["namespace"]
         self.index = get_index_actor(self.info["fingerprint"]) if config.connector else None
         self.caller = _current_actor()
+        self.draining = False  # the app is stopping: new requests are refused
+        self._ended = False  # the drain is over: running requests end too
+        self._running: set[Any] = set()  # the worker calls of the requests running here
+        self._loop: asyncio.AbstractEventLoop | None = None  # where requests run
+
+    def drain(self, drain_s: float) -> None:
+        """The app is stopping: refuse each new request (``Unavailable``, a 503) and end the
+        ones still running ``drain_s`` from now the same way (an SSE error event once a
+        stream started), before Serve kills this replica and its callers would get the
+        proxy's bare 500 or a cut stream. From any thread."""
+        if self.draining:
+            return
+        self.draining = True
+        loop = self._loop
+        if loop is not None:  # else no request ever ran here: none to end
+            loop.call_soon_threadsafe(loop.call_later, drain_s, self._end_running)
+
+    def _end_running(self) -> None:
+        self._ended = True
+        for call in list(self._running):
+            call.cancel()  # the worker aborts it, as when a client leaves
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -149,6 +171,9 @@ class ClusterBackend:
     ) -> AsyncIterator[Chunk]:
         """The request's chunks; at most one per ``interval_s`` (default: the config's
         ``stream_interval_s``)."""
+        self._loop = asyncio.get_running_loop()
+        if self.draining:
+            raise Unavailable(SHUTTING_DOWN)
         if interval_s is None:
             interval_s = self.config.stream_interval_s
         # The chat template and the tokenizer are CPU work: off the event loop.
@@ -166,9 +191,12 @@ class ClusterBackend:
         logprobs: list[dict[int, float]] = []
         migrations = 0
         while True:
+            if self._ended:
+                raise Unavailable(SHUTTING_DOWN)
             work = self._worker_request(request, ids, generated, interval_s)
             own_call_id()
             stream = self.handles[self.role].options(stream=True).generate.remote(work)
+            self._running.add(stream)
             try:
                 async for delta in stream:
                     delta: StreamDelta
@@ -190,6 +218,9 @@ class ClusterBackend:
                         return
                 raise RayActorError()  # the stream ended without a finish: the worker went
             except Exception as e:
+                if self._ended or (self.draining and _is_lost(e)):
+                    # Ended by the drain, or a worker stopped with the app: nowhere to move.
+                    raise Unavailable(SHUTTING_DOWN) from None
                 if not _is_lost(e):
                     raise
                 migrations += 1
@@ -206,6 +237,8 @@ class ClusterBackend:
                     migrations,
                     self.config.max_migrations,
                 )
+            finally:
+                self._running.discard(stream)
 
     def _completion(
         self,

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -36,6 +37,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError
+from ray.serve.schema import ApplicationStatus
 
 from kvmesh.cluster import front_door
 from kvmesh.cluster.admission import Admission, Admitted
@@ -61,6 +63,10 @@ WORKER_DEPLOYMENT_PREFIX = "kvmesh-"
 # (/health, /metrics, /v1/models) need them under overload; Serve's proxy queues at most as
 # many again for a slot.
 INGRESS_SPARE_SLOTS = 256
+# How often an ingress replica checks whether its app is being deleted, and how much longer
+# than the drain Serve gives it before killing it: time to end what still runs, cleanly.
+APP_WATCH_S = 1.0
+INGRESS_STOP_MARGIN_S = APP_WATCH_S + 4.0
 # Serve autoscaling: the window its ongoing-request average covers.
 LOOK_BACK_S = 15.0  # Serve wants more than its 10-s metrics push interval
 _SAMPLING_KEYS = (
@@ -131,6 +137,28 @@ class KvmeshServer:
         self.admission = Admission(self.config.admission_limit, self.config.retry_after_s)
         self.metrics = ServeMetrics()  # its latency histograms count handle requests too
         self.generation = Generation(self.backend, self.metrics)
+        app = serve.get_replica_context().app_name
+        threading.Thread(
+            target=self._drain_when_deleted, args=(app,), name="kvmesh-app-watch", daemon=True
+        ).start()
+
+    def _drain_when_deleted(self, app: str) -> None:
+        """Drain (``ClusterBackend.drain``) once Serve deletes the app: ``kvmesh serve``'s
+        stop, ``serve delete``, a RayService update. Serve tells a replica nothing before it
+        kills it (after ``graceful_shutdown_timeout_s``), so this asks for the app's status
+        every ``APP_WATCH_S``."""
+        while True:
+            time.sleep(APP_WATCH_S)
+            try:
+                status = serve.status().applications.get(app)
+            except Exception:  # the controller restarting: ask again
+                continue
+            if status is None or status.status == ApplicationStatus.DELETING:
+                logger.info(
+                    "the app is being deleted: draining for %.1f s", self.config.drain_timeout_s
+                )
+                self.backend.drain(self.config.drain_timeout_s)
+                return
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's user_config carries only ``owner``, who deployed the app: ``kvmesh serve``
@@ -325,6 +353,7 @@ def build_app(args: dict[str, Any], owner: str | None = None) -> serve.Applicati
         max_ongoing_requests=config.admission_limit + INGRESS_SPARE_SLOTS,
         max_queued_requests=INGRESS_SPARE_SLOTS,
         backpressure_config=_backpressure(config),
+        graceful_shutdown_timeout_s=config.drain_timeout_s + INGRESS_STOP_MARGIN_S,
         # The workers need the cores.
         ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress_resources)},
     )
