@@ -292,7 +292,11 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
     except _Stop:  # asked to stop while deploying: a clean stop, as after it
         pass
     finally:
-        print("kvmesh: shutting down", flush=True)
+        print(
+            f"kvmesh: shutting down (running requests get up to {config.drain_timeout_s:g} s:"
+            " --drain-timeout-s)",
+            flush=True,
+        )
         never_up, deploying = deploying, False  # a second signal must not cut the teardown
         try:
             # An app that never came up has nothing to drain: with our own Ray, its shutdown
