@@ -188,6 +188,21 @@ def test_bad_input_names_the_field(llm: LLM, prompt, params, field: str) -> None
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    ("prompts", "params", "field"),
+    [
+        (None, None, "prompts"),
+        (5, None, "prompts"),
+        (["hi"], {"max_tokens": 2}, "params"),  # a dict, not SamplingParams
+        (["hi"], [None], "params"),
+    ],
+)
+def test_arguments_of_the_wrong_type_name_the_argument(llm: LLM, prompts, params, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished()
+
+
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm: LLM) -> None:
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))

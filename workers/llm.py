@@ -113,6 +113,10 @@ class LLM:
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(
+            f"prompts: must be a string, token ids, or a list of them, got {type(prompts).__name__}"
+        )
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
     return list(prompts)  # type: ignore[arg-type]
@@ -125,6 +129,10 @@ def _as_params(
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(
+            f"params: must be SamplingParams or a list of them, got {type(params).__name__}"
+        )
     if len(params) != n:
         raise ValueError(f"params: {len(params)} given for {n} prompts")
     return list(params)
