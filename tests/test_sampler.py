@@ -1,0 +1,55 @@
+"""The sampler draws from the distribution it is given: frequencies against the softmax,
+top-k / top-p masks, and the cumulative distribution's edges."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.workers.sampler import _invert_cdf, sample
+from kvmesh.workers.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+DRAWS = 20_000
+
+
+def frequencies(params: SamplingParams, seed: int = 3) -> torch.Tensor:
+    rows = sample(LOGITS.expand(DRAWS, -1), [params] * DRAWS, [seed] * DRAWS, list(range(DRAWS)))
+    return torch.bincount(torch.tensor(rows), minlength=len(LOGITS)).double() / DRAWS
+
+
+def chi_square(freq: torch.Tensor, probs: torch.Tensor) -> float:
+    keep = probs > 0
+    return float((DRAWS * (freq[keep] - probs[keep]) ** 2 / probs[keep]).sum())
+
+
+def test_draws_follow_the_tempered_softmax() -> None:
+    for temperature in (1.0, 0.5, 1.7):
+        probs = (LOGITS.double() / temperature).softmax(-1)
+        freq = frequencies(SamplingParams(temperature=temperature))
+        # 5 degrees of freedom: 40 is beyond the 1 - 1e-7 quantile; a biased draw (e.g. an
+        # off-by-one at the boundaries) lands in the hundreds.
+        assert chi_square(freq, probs) < 40, (temperature, freq, probs)
+
+
+def test_top_k_and_top_p_draw_only_what_they_keep() -> None:
+    freq = frequencies(SamplingParams(temperature=1.0, top_k=2))
+    assert freq[2:].sum() == 0
+    kept = torch.cat([LOGITS[:2].double().softmax(-1), torch.zeros(4, dtype=torch.float64)])
+    assert chi_square(freq, kept) < 40
+    # The two best hold 0.56 + 0.21 of the mass: top_p 0.7 keeps exactly them.
+    freq = frequencies(SamplingParams(temperature=1.0, top_p=0.7))
+    assert freq[2:].sum() == 0 and freq[1] > 0
+
+
+def test_the_cdf_edges_pick_tokens_with_mass() -> None:
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    # 0 lands on the first token with mass, 1 (what u * total can round to) on the last.
+    assert _invert_cdf(probs, torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1, 0]
+    assert _invert_cdf(probs, torch.tensor([1.0, 1.0], dtype=torch.float64)).tolist() == [2, 1]
+    assert _invert_cdf(probs, torch.tensor([0.4, 0.5], dtype=torch.float64)).tolist() == [2, 1]
+
+
+def test_a_seeded_draw_is_the_same_in_any_batch() -> None:
+    p = SamplingParams(temperature=1.0)
+    batch = sample(LOGITS.expand(4, -1), [p] * 4, [1, 2, 3, 4], [9, 9, 9, 9])
+    assert batch == [sample(LOGITS[None], [p], [s], [9])[0] for s in (1, 2, 3, 4)]
