@@ -54,6 +54,7 @@ def make_case(
     seed: int = 0,
     shared_blocks: int = 0,
     sharing: list[int] | None = None,
+    head_dim: int = D,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One step of a mixed batch with cached prefixes pre-written: (backend output, dense
     reference [T, Hq, D] float64, the step's metadata). Rows in `sharing` (default: all) start
@@ -64,23 +65,23 @@ def make_case(
     rng.shuffle(ids)
     common = [ids.pop() for _ in range(shared_blocks)]
     sharing = list(range(len(seq_lens))) if sharing is None else sharing
-    shared_k = torch.randn(shared_blocks * block_size, hkv, D, generator=gen).to(dtype)
-    shared_v = torch.randn(shared_blocks * block_size, hkv, D, generator=gen).to(dtype)
+    shared_k = torch.randn(shared_blocks * block_size, hkv, head_dim, generator=gen).to(dtype)
+    shared_v = torch.randn(shared_blocks * block_size, hkv, head_dim, generator=gen).to(dtype)
     tables = []
     for b, s in enumerate(seq_lens):  # random, non-contiguous block ids per sequence
         n = -(-s // block_size)
         head = common if b in sharing else []
         tables.append(head + [ids.pop() for _ in range(n - len(head))])
     # Garbage everywhere else: padding entries and unused slots must be masked, not just zero.
-    k_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(device, dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(device, dtype)
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(device, dtype)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
     qs, ks, vs, refs = [], [], [], []
-    scale = D**-0.5
+    scale = head_dim**-0.5
     for b, (lq, s, table) in enumerate(zip(query_lens, seq_lens, tables, strict=True)):
-        q = torch.randn(lq, hq, D, generator=gen).to(dtype)
-        k = torch.randn(s, hkv, D, generator=gen).to(dtype)
-        v = torch.randn(s, hkv, D, generator=gen).to(dtype)
+        q = torch.randn(lq, hq, head_dim, generator=gen).to(dtype)
+        k = torch.randn(s, hkv, head_dim, generator=gen).to(dtype)
+        v = torch.randn(s, hkv, head_dim, generator=gen).to(dtype)
         if b in sharing:
             k[: len(shared_k)], v[: len(shared_v)] = shared_k, shared_v
         for p in range(s - lq):  # the cached prefix, written by "earlier steps"
@@ -99,9 +100,9 @@ def make_case(
         meta,
         scale,
     )
-    assert out.shape == (sum(query_lens), hq, D) and out.dtype == dtype
+    assert out.shape == (sum(query_lens), hq, head_dim) and out.dtype == dtype
     new_k = torch.cat(ks).to(device)
-    flat = k_cache.view(-1, hkv, D)
+    flat = k_cache.view(-1, hkv, head_dim)
     assert torch.equal(flat[meta.slot_mapping], new_k), "new K not written at slot_mapping"
     return out, torch.cat(refs), meta
 

@@ -108,6 +108,21 @@ def test_attention_kernel_long_contexts_and_chunk_edges(hq: int, hkv: int) -> No
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("head_dim", [64, 24], ids=["d64", "d24"])
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 1), (9, 3), (6, 2)])
+def test_attention_kernel_rows_of_few_query_heads(hq: int, hkv: int, head_dim: int) -> None:
+    # Rows whose query heads per KV head are at most 8 (decodes; 2 tokens at 3 heads a KV head)
+    # take the kernel's `rows` path when head_dim is a multiple of 16, its `lanes` path
+    # otherwise (24), as do the rest (2 tokens at 8 heads a KV head: 16). Row 1's two queries
+    # end at key 129: the first sees nothing past the 128-key chunk edge; row 2 has one key.
+    case = dict(query_lens=[1, 2, 1, 3, 1], seq_lens=[300, 129, 1, 140, 257], hq=hq, hkv=hkv)
+    out, ref, _ = make_case(
+        TorchAttentionBackend(cpu_kernel=True), **case, block_size=16, num_blocks=100,
+        head_dim=head_dim,
+    )  # fmt: skip
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
 def test_attention_kernel_reads_a_shared_prefix_once() -> None:
     # Six decode rows share 10 blocks (160 keys, two chunks): one shared item, then one item
     # per row for its own blocks, merged per query head.
@@ -187,14 +202,17 @@ def test_builds_agree_bit_for_bit(isa: str) -> None:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("KVMESH_CPU_ISA", "avx512")
             assert torch.equal(qmatmul(x, pw), got)
+    # Decodes go through the kernel's `rows` path (16-wide vectors over head_dim), the rest
+    # through `lanes`; both builds sum in the same order there too.
     case = dict(query_lens=[20, 1, 1, 3, 1], seq_lens=[140, 300, 129, 200, 128], hq=9, hkv=3)
-    out, _, _ = make_case(TorchAttentionBackend(cpu_kernel=True), **case, block_size=16,
-                          num_blocks=80)  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVMESH_CPU_ISA", "avx512")
-        out512, _, _ = make_case(TorchAttentionBackend(cpu_kernel=True), **case, block_size=16,
-                                 num_blocks=80)  # fmt: skip
-    assert torch.equal(out, out512)
+    for head_dim in (16, 64):
+        out, _, _ = make_case(TorchAttentionBackend(cpu_kernel=True), **case, block_size=16,
+                              num_blocks=80, head_dim=head_dim)  # fmt: skip
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVMESH_CPU_ISA", "avx512")
+            out512, _, _ = make_case(TorchAttentionBackend(cpu_kernel=True), **case,
+                                     block_size=16, num_blocks=80, head_dim=head_dim)  # fmt: skip
+        assert torch.equal(out, out512), head_dim
 
 
 # Overrides the autouse `isa` fixture: these run whatever the CPU is.

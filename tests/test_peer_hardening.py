@@ -242,7 +242,7 @@ def test_fingerprint_covers_quantized_matmul_attention_and_device(tmp_path: Path
     assert quant.fingerprint.namespace != plain.fingerprint.namespace
     assert quant.fingerprint == quant2.fingerprint  # same config, same fingerprint
     assert quant.fingerprint.device == "cpu"
-    assert quant.fingerprint.attention == "TorchAttentionBackend+cpu_kernel"
+    assert quant.fingerprint.attention == "TorchAttentionBackend+cpu_kernel.v2"
     assert quant.fingerprint.weights_id == plain.fingerprint.weights_id
 
 

@@ -117,7 +117,7 @@ class ModelFingerprint:
     head_dim: int
     # The rest changes the numbers computed, so the KV bytes of every layer after the first
     # (defaults: what a plain torch engine on the CPU has).
-    attention: str = "TorchAttentionBackend"  # backend class, "+cpu_kernel" with the C kernel
+    attention: str = "TorchAttentionBackend"  # backend class, "+cpu_kernel.vN" with the C kernel
     device: str = "cpu"  # device type: "cpu", "cuda"
     quantized_matmul: bool = False  # matmuls on quantized weight blocks (applied, not asked)
 

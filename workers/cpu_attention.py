@@ -21,6 +21,10 @@ if TYPE_CHECKING:  # attention.py imports this module
 
 # Rows with more new tokens than this go to SDPA.
 KERNEL_MAX_QUERY_LEN = 32
+# In the KV fingerprint: raised whenever the kernel's results change in their last bits (2:
+# decodes summed over 16-wide vectors of head_dim), since every layer's KV after the first
+# depends on them and peers and disk tiers must not mix the two.
+KERNEL_NUMERICS = 2
 
 
 class CpuAttentionPlan:

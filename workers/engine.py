@@ -17,6 +17,7 @@ import torch
 from kvmesh.workers.attention import get_attn_backend
 from kvmesh.workers.block_hash import ModelFingerprint
 from kvmesh.workers.chat import prompt_token_ids
+from kvmesh.workers.cpu_attention import KERNEL_NUMERICS
 from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.engine_config import EngineConfig, check_host_memory, context_len
@@ -42,13 +43,14 @@ KV_LAYOUT = "L2NBHD"  # KVCache.data: [layers, K/V, blocks, block_size, kv_heads
 
 def _attention_id(backend: object, device: torch.device, dtype: torch.dtype) -> str:
     """The attention implementation for the fingerprint: the backend's class, plus
-    "+cpu_kernel" when the torch backend runs its rows through the C kernel (CPU, float32,
-    the kernels built, and not turned off), as `TorchAttentionBackend` decides."""
+    "+cpu_kernel.vN" (N: `KERNEL_NUMERICS`) when the torch backend runs its rows through the
+    C kernel (CPU, float32, the kernels built, and not turned off), as
+    `TorchAttentionBackend` decides."""
     name = type(backend).__name__
     kernel = getattr(backend, "cpu_kernel", None)
     on_cpu_f32 = device.type == "cpu" and dtype == torch.float32
     if on_cpu_f32 and kernel is not False and (kernel or kernel_library() is not None):
-        name += "+cpu_kernel"
+        name += f"+cpu_kernel.v{KERNEL_NUMERICS}"
     return name
 
 

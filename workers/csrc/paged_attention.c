@@ -13,6 +13,12 @@
  * parallel; the partials then merge per query head by log-sum-exp (FlashDecoding's split-KV).
  * Scores: q * scale . k. GQA: query head hh reads KV head hh / (hq / hkv).
  *
+ * A task computes its partials one of two ways. With many query heads (a prefill's rows) a
+ * vector holds query heads: each key's K and V entries are broadcast against them (`lanes`).
+ * With at most ROWS_MAX query heads (a decode: hq / hkv of them, often 3 to 8) that would
+ * leave most lanes empty, so a vector holds 16 entries of d instead: a score is a dot product
+ * folded across lanes, and V is summed a row at a time (`rows`; d a multiple of 16).
+ *
  * Layouts: q, out [T, hq, d]; k_cache, v_cache [N, block_size, hkv, d]; d a multiple of 8.
  * Every row of q (0 .. T-1) must be listed by some item and see at least one key.
  * The inner loops run over the query heads a vector holds at once: 16 with AVX-512, 8 with
@@ -37,6 +43,8 @@ enum { VL = 8 };
 
 /* LANES: the padding of the partials' layout, the same in both builds. */
 enum { LANES = 16, CHUNK = 128, TU = 8 /* keys (or d) per register tile */ };
+/* `rows` takes tasks of at most ROWS_MAX query heads, with d a multiple of 16 up to D_MAX. */
+enum { ROWS_MAX = 8, D_MAX = 256, PF = 8 };
 
 typedef struct {
     int item, chunk, head;
@@ -188,6 +196,110 @@ static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
 }
 #endif
 
+/* 16 floats, as one AVX-512 vector or two AVX2 halves: `rows` is written once over these, and
+ * both builds do the same operation on every lane in the same order, so they agree bit for bit
+ * (exp included: exp256_nonpos is exp512_nonpos's twin). */
+#if KV_AVX512
+typedef __m512 v16;
+static inline v16 v16_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v16_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+static inline v16 v16_exp_shifted(v16 x, float base) {
+    return exp512_nonpos(_mm512_sub_ps(x, _mm512_set1_ps(base)));
+}
+/* Lanes i and i + 8 added: the first step of every horizontal sum. */
+static inline __m256 v16_fold(v16 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+typedef struct { __m256 lo, hi; } v16;
+static inline v16 v16_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void v16_store(float *p, v16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline v16 v16_set1(float x) { return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline v16 v16_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline v16 v16_max(v16 a, v16 b) { return (v16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline v16 v16_exp_shifted(v16 x, float base) {
+    __m256 b = _mm256_set1_ps(base);
+    return (v16){exp256_nonpos(_mm256_sub_ps(x.lo, b)), exp256_nonpos(_mm256_sub_ps(x.hi, b))};
+}
+static inline __m256 v16_fold(v16 v) { return _mm256_add_ps(v.lo, v.hi); }
+#endif
+
+/* The sum of v's 16 lanes, in one fixed tree: (i + i+8), then (i + i+4), (i + i+2), (0 + 1). */
+static inline float v16_sum(v16 v) {
+    __m256 x = v16_fold(v);
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* The partials of nj (<= ROWS_MAX) query heads, rows of qrow [nj][d] (scaled), against keys
+ * krow/vrow[0 .. n) at positions c0 .. c0+n-1 of the item; query head j sees positions below
+ * lim[j]. `s` holds CHUNK floats. Writes pm[j], pl[j] and pacc[dd * njp + j], as `lanes`.
+ * With pf_floats > 0 (a unit's first KV head) it also asks for the K and V slot rows PF keys
+ * ahead, pf_floats floats of each (every KV head's): a decode streams its keys from memory,
+ * and without this the misses came one key at a time; the unit's other heads then find
+ * their entries in cache. */
+static void rows(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
+                 const float *const *krow, const float *const *vrow, int n, int c0, int d,
+                 float *pm, float *pl, float *pacc, int pf_floats) {
+    const int nd = d / 16;
+    for (int j = 0; j < nj; j++) {
+        v16 q[D_MAX / 16], acc[D_MAX / 16];
+        for (int c = 0; c < nd; c++) q[c] = v16_load(qrow + j * d + 16 * c);
+        for (int t = 0; t < CHUNK; t++) { /* past n, and past the query's limit: no key */
+            if (t >= n || c0 + t >= lim[j]) {
+                s[t] = -INFINITY;
+                continue;
+            }
+            if (t + PF < n)
+                for (int off = 0; off < pf_floats; off += 16) {
+                    _mm_prefetch((const char *)(krow[t + PF] + off), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(vrow[t + PF] + off), _MM_HINT_T1);
+                }
+            v16 dot = v16_set1(0.0f);
+            for (int c = 0; c < nd; c++) dot = v16_fma(q[c], v16_load(krow[t] + 16 * c), dot);
+            s[t] = v16_sum(dot);
+        }
+        v16 mv = v16_load(s);
+        for (int t = 16; t < CHUNK; t += 16) mv = v16_max(mv, v16_load(s + t));
+        float m[16], mx = -INFINITY;
+        v16_store(m, mv);
+        for (int l = 0; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
+        /* No visible key here: sum 0, skipped by the merge (exp(-inf - 0) is 0 below). */
+        const float base = mx == -INFINITY ? 0.0f : mx;
+        v16 sum = v16_set1(0.0f);
+        for (int t = 0; t < CHUNK; t += 16) {
+            v16 p = v16_exp_shifted(v16_load(s + t), base);
+            v16_store(s + t, p);
+            sum = v16_add(sum, p);
+        }
+        pm[j] = mx;
+        pl[j] = v16_sum(sum);
+        for (int c = 0; c < nd; c++) acc[c] = v16_set1(0.0f);
+        for (int t = 0; t < n; t++) {
+            v16 p = v16_set1(s[t]);
+            for (int c = 0; c < nd; c++) acc[c] = v16_fma(p, v16_load(vrow[t] + 16 * c), acc[c]);
+        }
+        float out[D_MAX];
+        for (int c = 0; c < nd; c++) v16_store(out + 16 * c, acc[c]);
+        for (int dd = 0; dd < d; dd++) pacc[dd * njp + j] = out[dd];
+    }
+}
+
+/* Whether item `it`'s tasks go through `rows`. */
+static int takes_rows(const Args *a, int it) {
+    return a->nq[it] * (a->hq / a->hkv) <= ROWS_MAX && a->d % 16 == 0 && a->d <= D_MAX;
+}
+
 /* One task: the partials of item `it`'s queries, query heads of KV head h, over keys
  * [c0, c1) of the item. `scratch` holds (CHUNK + d) * nj_pad floats. */
 static void run_task(const Args *a, const Task *tk, float *parts, float *scratch) {
@@ -197,7 +309,8 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
     const int c0 = tk->chunk * CHUNK;
     const int c1 = c0 + CHUNK < a->kv_len[it] ? c0 + CHUNK : a->kv_len[it];
     const int n = c1 - c0;
-    float *qt = scratch;          /* [d][njp]: scaled queries, one lane per query head */
+    const int by_rows = takes_rows(a, it);
+    float *qt = scratch;          /* by lanes [d][njp], by rows [nj][d]: scaled queries */
     float *s = qt + d * njp;      /* [CHUNK][njp]: scores, then probabilities */
     int32_t lim[njp];
     const float *krow[CHUNK], *vrow[CHUNK];
@@ -207,17 +320,28 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
         int valid = j < nj;
         lim[j] = valid ? qlim[j / g] : c1; /* padding lanes see every key; dropped later */
         const float *qv = valid ? a->q + ((int64_t)qtok[j / g] * a->hq + h * g + j % g) * d : 0;
-        for (int dd = 0; dd < d; dd++) qt[dd * njp + j] = valid ? qv[dd] * a->scale : 0.0f;
+        for (int dd = 0; dd < d; dd++) {
+            float x = valid ? qv[dd] * a->scale : 0.0f;
+            qt[by_rows ? j * d + dd : dd * njp + j] = x;
+        }
     }
     const int32_t *blocks = a->blocks + a->bo[it];
-    for (int t = 0; t < CHUNK; t++) { /* past n: copies of key 0, so tiles load valid memory */
-        int64_t slot = (int64_t)blocks[(c0 + (t < n ? t : 0)) / a->bs] * a->bs;
-        slot += (c0 + (t < n ? t : 0)) % a->bs;
+    /* Key c0 + t sits in block (c0 + t) / bs at offset (c0 + t) % bs: stepped, not divided
+     * (a division per key cost as much as the key's dot products). */
+    for (int t = 0, b = c0 / a->bs, o = c0 % a->bs; t < n; t++) {
+        int64_t slot = (int64_t)blocks[b] * a->bs + o;
         krow[t] = a->k_cache + (slot * a->hkv + h) * d;
         vrow[t] = a->v_cache + (slot * a->hkv + h) * d;
+        if (++o == a->bs) o = 0, b++;
     }
+    for (int t = n; t < CHUNK; t++) /* past n: copies of key 0, so tiles load valid memory */
+        krow[t] = krow[0], vrow[t] = vrow[0];
 
     float *pm = parts + tk->part, *pl = pm + njp, *pacc = pl + njp;
+    if (by_rows) {
+        rows(qt, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, h == 0 ? a->hkv * d : 0);
+        return;
+    }
     /* Vectors past the last query head hold only padding, which the merge never reads. */
     for (int64_t j0 = 0; j0 < nj; j0 += VL)
         lanes(qt + j0, s + j0, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0, pacc + j0);
@@ -242,30 +366,50 @@ int kva_paged_attention(const float *q, const float *k_cache, const float *v_cac
         if (njp > max_njp) max_njp = njp;
     }
     Task *tasks = malloc(sizeof(Task) * (size_t)(n_tasks ? n_tasks : 1));
+    /* Units of work, each a run of tasks: unit u is tasks [units[u], units[u + 1]). A chunk of
+     * an item taken by `rows` is one unit (all its KV heads: its slots are read whole, in
+     * order); any other task is a unit of its own. */
+    int64_t *units = malloc(sizeof(int64_t) * (size_t)(n_tasks + 1));
     float *parts = malloc(sizeof(float) * (size_t)(part_floats ? part_floats : 1));
     float *state = malloc(sizeof(float) * (size_t)T * hq * (d + 2)); /* max, sum, acc[d] */
-    if (!tasks || !parts || !state) {
-        free(tasks), free(parts), free(state);
+    if (!tasks || !units || !parts || !state) {
+        free(tasks), free(units), free(parts), free(state);
         return -1;
     }
-    int64_t nt = 0, off = 0;
+    int64_t nt = 0, nu = 0, off = 0;
     for (int i = 0; i < n_items; i++) {
         int64_t njp = pad16((int64_t)nq[i] * g);
+        int whole_chunks = takes_rows(&a, i);
         for (int c = 0; c * CHUNK < kv_len[i]; c++)
             for (int h = 0; h < hkv; h++) {
+                if (h == 0 || !whole_chunks) units[nu++] = nt;
                 tasks[nt++] = (Task){i, c, h, off};
                 off += njp * (d + 2);
             }
     }
+    units[nu] = nt;
 
     const size_t scratch_floats = (size_t)(CHUNK + d) * max_njp;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *scratch = malloc(sizeof(float) * (scratch_floats ? scratch_floats : 1));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < nt; t++)
-            if (scratch) run_task(&a, &tasks[t], parts, scratch);
+        for (int64_t u = 0; u < nu; u++) {
+            if (!scratch) continue;
+            const Task *first = &tasks[units[u]];
+            for (int64_t t = units[u]; t < units[u + 1]; t++) run_task(&a, &tasks[t], parts, scratch);
+        }
         free(scratch);
+    }
+    free(units);
+    if (failed) {
+        free(tasks), free(parts), free(state);
+        return -1;
     }
 
     /* Merge the partials per query head; heads of one KV head are merged by one thread. */
