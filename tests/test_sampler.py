@@ -53,3 +53,10 @@ def test_a_seeded_draw_is_the_same_in_any_batch() -> None:
     p = SamplingParams(temperature=1.0)
     batch = sample(LOGITS.expand(4, -1), [p] * 4, [1, 2, 3, 4], [9, 9, 9, 9])
     assert batch == [sample(LOGITS[None], [p], [s], [9])[0] for s in (1, 2, 3, 4)]
+
+
+def test_nan_logits_still_give_a_token_of_the_vocabulary() -> None:
+    logits = torch.full((2, 6), float("nan"))
+    logits[1, 2] = 1.0
+    rows = sample(logits, [SamplingParams(temperature=1.0)] * 2, [1, 1], [0, 0])
+    assert all(0 <= t < 6 for t in rows), rows

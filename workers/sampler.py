@@ -85,7 +85,9 @@ def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(
         uniform.to(probs.dtype).unsqueeze(1) * total, total.nextafter(total.new_zeros(()))
     )
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # NaN logits (a model that overflowed) sort past every entry: still answer a real token.
+    return picked.clamp_(max=probs.shape[-1] - 1)
 
 
 def _top_k_top_p(
