@@ -23,11 +23,18 @@ in its ``runtime_env`` (``controller_env``): ``serve_app.deploy`` starts it so, 
 RayService manifest's serveConfigV2 sets it in ``controller_options``. A proxy started
 otherwise has no door; the ingress still refuses, at the cost above, and ``deploy`` says so
 (``warn_if_missing``) when it finds Serve already running without it.
+
+Once a kvmesh app has answered through this proxy, a generation request that Serve itself
+answers 404 (no app at the route: the app was deleted, or is being redeployed) gets a 503
+with ``Retry-After`` and OpenAI's body instead (``APP_GONE``): clients and load balancers
+retry a 503, where Serve's plain-text 404 read as a wrong URL. The ingress's own answers,
+its 404s included, carry ``ADMISSION_HEADER`` and pass as they are.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -45,6 +52,10 @@ logger = logging.getLogger(__name__)
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "kvmesh.cluster.front_door:middlewares"
 SPARE = 8  # measured: enough for the answers in transit at 200 req/s (BENCHMARKS.md)
+APP_GONE = (
+    "no kvmesh app serves this route now (it is stopping or being redeployed); retry "
+    "shortly, or on another server"
+)
 
 
 class FrontDoor(AdmitRequests):
@@ -62,12 +73,45 @@ class FrontDoor(AdmitRequests):
         ``AdmitRequests`` keeps its places there."""
 
     def sending(self, send: Callable) -> Callable:
+        replaced = False  # Serve's 404 swapped for APP_GONE: its body is dropped
+
         async def learning(message: dict) -> None:
+            nonlocal replaced
             if message["type"] == "http.response.start":
+                if self.app_gone(message):
+                    replaced = True
+                    return
                 message = self.learn(message)
+            elif replaced:
+                if not message.get("more_body", False):
+                    for gone in self.app_gone_messages():
+                        await send(gone)
+                return
             await send(message)
 
         return learning
+
+    def app_gone(self, start: dict) -> bool:
+        """Whether ``start`` is Serve's own 404 where a kvmesh app answered before."""
+        return (
+            start.get("status") == 404
+            and self.admission.limit is not None
+            and all(bytes(k).lower() != ADMISSION_HEADER for k, _ in start.get("headers") or [])
+        )
+
+    def app_gone_messages(self) -> list[dict]:
+        """APP_GONE as a 503 with the learned Retry-After, in ASGI messages."""
+        from fastapi.responses import JSONResponse
+
+        from kvmesh.cluster.api_error import ApiError
+
+        error = ApiError(503, APP_GONE, "server_error", code="unavailable")
+        retry_after = str(max(1, math.ceil(self.admission.retry_after_s)))
+        response = JSONResponse(error.body, 503, headers={"Retry-After": retry_after})
+        return [
+            {"type": "http.response.start", "status": 503, "headers": response.raw_headers},
+            {"type": "http.response.body", "body": response.body},
+        ]
 
     def learn(self, start: dict) -> dict:
         """The ``http.response.start`` message ``start`` without ``ADMISSION_HEADER``, after

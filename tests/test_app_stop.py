@@ -16,6 +16,7 @@ import openai
 import pytest
 from ray import serve
 
+from kvmesh.cluster.front_door import APP_GONE
 from kvmesh.cluster.frontend import SHUTTING_DOWN
 from kvmesh.cluster.serve_app import APP_NAME
 from tests.ray_fixtures import ray_session  # noqa: F401
@@ -54,5 +55,10 @@ def test_requests_running_when_the_app_is_deleted_end_with_a_503() -> None:
         # Serve would kill the ingress (drain + 5 s).
         assert ended_s < 4.0, ended_s
         wait_for(lambda: APP_NAME not in serve.status().applications, 30, "the app to go")
+        # A request after it: the front door turns Serve's plain 404 into a 503 to retry.
+        with pytest.raises(openai.InternalServerError) as gone:
+            client.completions.create(model=config.model_name, prompt="hi", max_tokens=2)
+        assert gone.value.status_code == 503 and gone.value.body["message"] == APP_GONE
+        assert int(gone.value.response.headers["retry-after"]) >= 1
     finally:
         undeploy()

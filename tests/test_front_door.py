@@ -14,6 +14,7 @@ import pytest
 
 from kvmesh.cluster.admission import ADMISSION_HEADER, Admission, AdmitRequests
 from kvmesh.cluster.front_door import (
+    APP_GONE,
     CALLBACK,
     CALLBACK_ENV,
     FrontDoor,
@@ -130,6 +131,44 @@ def test_the_door_follows_a_redeployed_limit_and_ignores_a_bad_one() -> None:
             status, headers, _ = await call(door)
             assert status == 200 and door.admission.limit == 11, value
             assert headers == {"content-type": "application/json"}
+
+    asyncio.run(run())
+
+
+async def serve_404(scope: dict, receive: Any, send: Any) -> None:
+    """Serve's proxy with no app at the route (its own plain-text answer, in two pieces)."""
+    headers = [(b"content-type", b"text/plain; charset=utf-8")]
+    await send({"type": "http.response.start", "status": 404, "headers": headers})
+    await send({"type": "http.response.body", "body": b"Path '/v1/", "more_body": True})
+    await send({"type": "http.response.body", "body": b"completions' not found."})
+
+
+def test_a_deleted_app_is_a_503_to_retry_not_a_404() -> None:
+    async def run() -> None:
+        # A door that never saw a kvmesh answer leaves Serve's 404 alone (a wrong URL).
+        status, headers, body = await call(FrontDoor(serve_404))
+        assert status == 404 and body.startswith(b"Path")
+
+        ingress = Ingress(limit=2, retry_after_s=2.5)
+        door = FrontDoor(ingress)
+        await call(door)
+        door.app = serve_404  # the app deleted behind the same proxy
+        status, headers, body = await call(door)
+        assert status == 503 and headers["retry-after"] == "3", headers
+        assert headers["content-type"] == "application/json"
+        assert int(headers["content-length"]) == len(body)
+        error = json.loads(body)["error"]
+        assert (error["message"], error["code"]) == (APP_GONE, "unavailable")
+        assert door.admission.admitted == 0
+
+        async def model_not_found(scope: dict, receive: Any, send: Any) -> None:
+            headers = [(ADMISSION_HEADER, b"limit=2; retry-after=1")]
+            await send({"type": "http.response.start", "status": 404, "headers": headers})
+            await send({"type": "http.response.body", "body": b'{"error": {}}'})
+
+        door.app = model_not_found  # the ingress's own 404 passes
+        status, _, body = await call(door)
+        assert status == 404 and body == b'{"error": {}}'
 
     asyncio.run(run())
 
