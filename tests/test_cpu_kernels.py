@@ -111,10 +111,11 @@ def test_attention_kernel_long_contexts_and_chunk_edges(hq: int, hkv: int) -> No
 @pytest.mark.parametrize("head_dim", [64, 24], ids=["d64", "d24"])
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 1), (9, 3), (6, 2)])
 def test_attention_kernel_rows_of_few_query_heads(hq: int, hkv: int, head_dim: int) -> None:
-    # Rows whose query heads per KV head are at most 8 (decodes; 2 tokens at 3 heads a KV head)
-    # take the kernel's `rows` path when head_dim is a multiple of 16, its `lanes` path
-    # otherwise (24), as do the rest (2 tokens at 8 heads a KV head: 16). Row 1's two queries
-    # end at key 129: the first sees nothing past the 128-key chunk edge; row 2 has one key.
+    # Rows whose query heads per KV head are at most 6 (decodes at 3 heads a KV head, 2
+    # tokens at 3) take the kernel's `rows` path when head_dim is a multiple of 16, its
+    # `lanes` path otherwise (24), as do the rest (decodes at 8 heads a KV head, 3 tokens
+    # at 3). Row 1's two queries end at key 129: the first sees nothing past the 128-key
+    # chunk edge; row 2 has one key.
     case = dict(query_lens=[1, 2, 1, 3, 1], seq_lens=[300, 129, 1, 140, 257], hq=hq, hkv=hkv)
     out, ref, _ = make_case(
         TorchAttentionBackend(cpu_kernel=True), **case, block_size=16, num_blocks=100,
