@@ -39,6 +39,8 @@ import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 from kvmesh.cluster.admission import (
     ADMISSION_HEADER,
     GENERATION_PATHS,
@@ -47,6 +49,7 @@ from kvmesh.cluster.admission import (
     Admitted,
     parse_announcement,
 )
+from kvmesh.cluster.api_error import ApiError
 
 logger = logging.getLogger(__name__)
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -101,10 +104,6 @@ class FrontDoor(AdmitRequests):
 
     def app_gone_messages(self) -> list[dict]:
         """APP_GONE as a 503 with the learned Retry-After, in ASGI messages."""
-        from fastapi.responses import JSONResponse
-
-        from kvmesh.cluster.api_error import ApiError
-
         error = ApiError(503, APP_GONE, "server_error", code="unavailable")
         retry_after = str(max(1, math.ceil(self.admission.retry_after_s)))
         response = JSONResponse(error.body, 503, headers={"Retry-After": retry_after})
