@@ -220,14 +220,22 @@ static inline __m256 v16_fold(v16 v) {
 }
 #else
 typedef struct { __m256 lo, hi; } v16;
-static inline v16 v16_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline void v16_store(float *p, v16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline v16 v16_load(const float *p) {
+    return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+}
+static inline void v16_store(float *p, v16 v) {
+    _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi);
+}
 static inline v16 v16_set1(float x) { return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 static inline v16 v16_fma(v16 a, v16 b, v16 c) {
     return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
-static inline v16 v16_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-static inline v16 v16_max(v16 a, v16 b) { return (v16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline v16 v16_add(v16 a, v16 b) {
+    return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+static inline v16 v16_max(v16 a, v16 b) {
+    return (v16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+}
 static inline v16 v16_exp_shifted(v16 x, float base) {
     __m256 b = _mm256_set1_ps(base);
     return (v16){exp256_nonpos(_mm256_sub_ps(x.lo, b)), exp256_nonpos(_mm256_sub_ps(x.hi, b))};
@@ -329,8 +337,7 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
         }
     }
     const int32_t *blocks = a->blocks + a->bo[it];
-    /* Key c0 + t sits in block (c0 + t) / bs at offset (c0 + t) % bs: stepped, not divided
-     * (a division per key cost as much as the key's dot products). */
+    /* Key c0 + t sits in block (c0 + t) / bs at offset (c0 + t) % bs, stepped key by key. */
     for (int t = 0, b = c0 / a->bs, o = c0 % a->bs; t < n; t++) {
         int64_t slot = (int64_t)blocks[b] * a->bs + o;
         krow[t] = a->k_cache + (slot * a->hkv + h) * d;
@@ -404,8 +411,8 @@ int kva_paged_attention(const float *q, const float *k_cache, const float *v_cac
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < nu; u++) {
             if (!scratch) continue;
-            const Task *first = &tasks[units[u]];
-            for (int64_t t = units[u]; t < units[u + 1]; t++) run_task(&a, &tasks[t], parts, scratch);
+            for (int64_t t = units[u]; t < units[u + 1]; t++)
+                run_task(&a, &tasks[t], parts, scratch);
         }
         free(scratch);
     }
