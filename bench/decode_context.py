@@ -64,8 +64,10 @@ def main() -> None:
             engine.add_request([rng.randrange(10, vocab) for _ in range(ctx)], params)
             for _ in range(args.requests)
         ]
-        while any(len(engine._tracked[i].request.output_token_ids) < 2 for i in ids):
-            engine.step()
+        produced = dict.fromkeys(ids, 0)
+        while min(produced.values()) < 2:  # every prompt computed, every request decoding
+            for delta in engine.step():
+                produced[delta.request_id] += 1
         times = []
         for _ in range(args.steps):
             t = time.perf_counter()
