@@ -327,7 +327,8 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
     const float *krow[CHUNK], *vrow[CHUNK];
     const int32_t *qtok = a->qtok + a->qo[it], *qlim = a->qlim + a->qo[it];
 
-    for (int64_t j = 0; j < njp; j++) {
+    /* `lanes` reads whole vectors, padding included; `rows` only the nj query heads. */
+    for (int64_t j = 0; j < (by_rows ? nj : njp); j++) {
         int valid = j < nj;
         lim[j] = valid ? qlim[j / g] : c1; /* padding lanes see every key; dropped later */
         const float *qv = valid ? a->q + ((int64_t)qtok[j / g] * a->hq + h * g + j % g) * d : 0;
