@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -224,5 +225,11 @@ def test_a_serve_controller_without_the_door_is_named(caplog: pytest.LogCaptureF
     finally:
         for actor in (bare, with_door):
             ray.kill(actor)
+    # ``ray.kill`` returns before the actor is gone, and a call sent in that window is still
+    # answered (CI saw it once): wait until the actor no longer answers at all.
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(100):
+            ray.get(bare.__ray_ready__.remote(), timeout=30)
+            time.sleep(0.1)
     # A controller that cannot answer (here: gone) is no reason to fail a deploy.
     assert not warn_if_missing(bare)
