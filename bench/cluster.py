@@ -12,7 +12,8 @@ docs/cluster_ttft_cdf.png; ``--dump`` keeps every request for bench/cluster_repl
 
 With ``--host-cache-memory`` / ``--disk-cache-size`` every setup's workers get those tiers
 (the disk tier in a temporary directory per setup, removed afterwards); the ideal pool stays
-the device pools' total. ``--baseline-kv-cache-memory 160MiB,128MiB`` adds the setups
+the device pools' total (in blocks of ``--kv-cache-dtype``'s size: bfloat16 fits twice the
+float32 blocks in the same memory). ``--baseline-kv-cache-memory 160MiB,128MiB`` adds the setups
 "kv_aware+connector@<size>" (that much KV per worker, no tiers) to compare against.
 """
 
@@ -35,6 +36,7 @@ from ray import serve
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import deploy
+from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.memory_size import parse_memory
@@ -170,6 +172,7 @@ def main() -> None:
     ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset")
     ap.add_argument("--dump", help="write every request's record (JSON lines) here")
     ap.add_argument("--ingress-replicas", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="e.g. bfloat16: twice the blocks")
     ap.add_argument("--host-cache-memory", default="0", help="per worker, e.g. 64MiB")
     ap.add_argument("--disk-cache-size", help="per worker, e.g. 256MiB (a temporary dir)")
     ap.add_argument(
@@ -198,6 +201,7 @@ def main() -> None:
             model=args.model,
             workers=args.workers,
             kv_cache_memory=kv_memory,
+            kv_cache_dtype=args.kv_cache_dtype,
             num_cpus_per_worker=1.0,
             ingress_replicas=args.ingress_replicas,
             **setup,
@@ -229,7 +233,9 @@ def main() -> None:
     from kvmesh.workers.loader import load_weights
 
     mc: ModelConfig = load_weights(args.model, progress=False).config
-    per_worker = KVCache.num_blocks_for_memory(mc, 16, _fp32(), parse_memory(args.kv_cache_memory))
+    per_worker = KVCache.num_blocks_for_memory(
+        mc, 16, _kv_dtype(args.kv_cache_dtype), parse_memory(args.kv_cache_memory)
+    )
     served = [
         (chat_prompt_ids(tok, o["messages"]), o["token_ids"])
         for o in next(iter(results.values()))["outs"]
@@ -244,6 +250,7 @@ def main() -> None:
         "workers": args.workers,
         "ingress_replicas": args.ingress_replicas,
         "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "host_cache_memory": args.host_cache_memory,
         "disk_cache_size": args.disk_cache_size,
         "requests": sum(len(c) for c in convs),
@@ -277,10 +284,9 @@ def main() -> None:
     ray.shutdown()
 
 
-def _fp32() -> Any:
-    import torch
-
-    return torch.float32
+def _kv_dtype(name: str) -> Any:
+    """The CPU workers' cache dtype: auto is the model's, float32 on CPU."""
+    return EngineConfig(device="cpu", kv_cache_dtype=name).resolved_kv_cache_dtype
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ plan (holder A, all the prefix's blocks), as the kv_aware router does; without i
 index up itself, as with round_robin.
 
     cd bench && ../.venv/bin/python pull_stall.py [--shaped 1gbit] [--plan]
+        [--kv-cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--suffix-tokens", type=int, default=8)
     ap.add_argument("--stream-tokens", type=int, default=240, help="max_tokens of each stream")
     ap.add_argument("--kv-cache-memory", default="512MiB")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="e.g. bfloat16: half the bytes")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     ap.add_argument("--link-gbps", type=float, default=None, help="default: measured")
     ap.add_argument("--shaped", default=None, help="e.g. 1gbit: shape loopback in a netns")
@@ -136,7 +138,12 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory, progress=False)
+    cfg = EngineConfig(
+        model=args.model,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        progress=False,
+    )
     conn = ClusterConnectorConfig(transport="nixl", timeout_s=30.0, lease_s=30.0)
     cls = worker_actor_class(num_gpus=0, num_cpus=1)
     a, b = (cls.remote(f"stall-{n}", cfg, conn, num_threads=args.threads) for n in "ab")
@@ -216,6 +223,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "link": f"shaped {args.shaped}" if args.shaped else "loopback",
         "plan": args.plan,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_gap_over_median": round(max_gap / median_gap, 2),
         "ttft_over_bound": round(pulled.metrics.ttft_s / bound, 2),
         "transfer_max_gap_over_median": round(max(transfer, default=0.0) / median_gap, 2),

@@ -17,6 +17,7 @@ from kvmesh.workers.memory_size import parse_memory
 
 ROUTERS = ("kv_aware", "round_robin", "least_loaded")
 TRANSPORTS = ("nixl", "ray")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class ServeConfig:
     max_model_len: int | None = None
     device: str | None = None
     dtype: str | None = None
+    # The KV cache's element type: auto (the model's dtype), float32, bfloat16 or float16
+    # (a 16-bit cache under a float32 model: twice the tokens per GiB, half the bytes moved).
+    kv_cache_dtype: str = "auto"
     # Autoscaling: with max_* set, the worker count above is the minimum and Serve scales
     # the deployment between the two on ongoing requests per replica.
     max_workers: int | None = None
@@ -114,6 +118,10 @@ class ServeConfig:
             )
         if self.router not in ROUTERS:
             raise bad("router", f"must be one of {', '.join(ROUTERS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
+            raise bad("kv_cache_dtype", f"must be one of auto, {', '.join(DTYPES)}")
         if self.transport is not None and self.transport not in TRANSPORTS:
             raise bad("transport", f"must be one of {', '.join(TRANSPORTS)}")
         if not 0 <= self.port <= 65535:
@@ -299,6 +307,7 @@ _TYPES: dict[str, type] = {
     "max_model_len": int,
     "device": str,
     "dtype": str,
+    "kv_cache_dtype": str,
     "max_workers": int,
     "max_prefill_workers": int,
     "max_decode_workers": int,

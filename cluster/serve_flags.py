@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from kvmesh.cluster.config import ServeConfig, load_yaml
+from kvmesh.cluster.config import DTYPES, ServeConfig, load_yaml
 
 # Flags that map 1:1 onto ServeConfig fields (the CLI spelling uses dashes).
 _FLAGS: dict[str, dict[str, Any]] = {
@@ -41,7 +41,11 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max-num-batched-tokens": {"type": int},
     "max-model-len": {"type": int, "help": "context per request (default: the model's)"},
     "device": {},
-    "dtype": {"choices": ["float32", "float16", "bfloat16"]},
+    "dtype": {"choices": list(DTYPES)},
+    "kv-cache-dtype": {
+        "choices": ["auto", *DTYPES],
+        "help": "the KV cache's element type (default auto: the model's dtype)",
+    },
     "max-workers": {"type": int, "help": "autoscale unified workers up to this many"},
     "max-prefill-workers": {"type": int},
     "max-decode-workers": {"type": int},

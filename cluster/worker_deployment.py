@@ -81,6 +81,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         max_model_len=config.max_model_len,
         device=config.device,
         dtype=config.dtype,
+        kv_cache_dtype=config.kv_cache_dtype,
         progress=False,
     )
 

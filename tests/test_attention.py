@@ -55,33 +55,44 @@ def make_case(
     shared_blocks: int = 0,
     sharing: list[int] | None = None,
     head_dim: int = D,
+    kv_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One step of a mixed batch with cached prefixes pre-written: (backend output, dense
     reference [T, Hq, D] float64, the step's metadata). Rows in `sharing` (default: all) start
-    with the same `shared_blocks` block ids holding the same K/V, as after a prefix-cache hit."""
+    with the same `shared_blocks` block ids holding the same K/V, as after a prefix-cache hit.
+    K/V values are rounded to `kv_dtype` (default `dtype`) and held in a cache of
+    `cache_dtype` (default `kv_dtype`)."""
+    kv_dtype = kv_dtype or dtype
+    cache_dtype = cache_dtype or kv_dtype
+
+    def kv_values(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(kv_dtype).to(dtype)
+
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     ids = list(range(1, num_blocks))  # block 0 stays unused, as the padding id
     rng.shuffle(ids)
     common = [ids.pop() for _ in range(shared_blocks)]
     sharing = list(range(len(seq_lens))) if sharing is None else sharing
-    shared_k = torch.randn(shared_blocks * block_size, hkv, head_dim, generator=gen).to(dtype)
-    shared_v = torch.randn(shared_blocks * block_size, hkv, head_dim, generator=gen).to(dtype)
+    shared_k = kv_values(shared_blocks * block_size, hkv, head_dim)
+    shared_v = kv_values(shared_blocks * block_size, hkv, head_dim)
     tables = []
     for b, s in enumerate(seq_lens):  # random, non-contiguous block ids per sequence
         n = -(-s // block_size)
         head = common if b in sharing else []
         tables.append(head + [ids.pop() for _ in range(n - len(head))])
     # Garbage everywhere else: padding entries and unused slots must be masked, not just zero.
-    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(device, dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(device, dtype)
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen)
+    k_cache, v_cache = (c.to(device, cache_dtype) for c in (k_cache, v_cache))
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
     qs, ks, vs, refs = [], [], [], []
     scale = head_dim**-0.5
     for b, (lq, s, table) in enumerate(zip(query_lens, seq_lens, tables, strict=True)):
         q = torch.randn(lq, hq, head_dim, generator=gen).to(dtype)
-        k = torch.randn(s, hkv, head_dim, generator=gen).to(dtype)
-        v = torch.randn(s, hkv, head_dim, generator=gen).to(dtype)
+        k = kv_values(s, hkv, head_dim)
+        v = kv_values(s, hkv, head_dim)
         if b in sharing:
             k[: len(shared_k)], v[: len(shared_v)] = shared_k, shared_v
         for p in range(s - lq):  # the cached prefix, written by "earlier steps"
@@ -103,7 +114,7 @@ def make_case(
     assert out.shape == (sum(query_lens), hq, head_dim) and out.dtype == dtype
     new_k = torch.cat(ks).to(device)
     flat = k_cache.view(-1, hkv, head_dim)
-    assert torch.equal(flat[meta.slot_mapping], new_k), "new K not written at slot_mapping"
+    assert torch.equal(flat[meta.slot_mapping].to(dtype), new_k), "new K not at slot_mapping"
     return out, torch.cat(refs), meta
 
 

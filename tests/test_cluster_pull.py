@@ -76,6 +76,37 @@ def test_second_worker_pulls_the_whole_prefix(transport: str, reference: LLM) ->
         stop_workers([a, b])
 
 
+def test_a_16_bit_cache_pulls_half_the_bytes_and_only_from_its_kind(reference: LLM) -> None:
+    # bfloat16 workers (a float32 model) pull each other's blocks over NIXL: half the bytes
+    # of float32 blocks, the holder's bytes exactly, the answer the holder's own. A float32
+    # worker of the same model never sees them (another fingerprint, another index).
+    a, b = start_workers(2, kv_cache_dtype="bfloat16")
+    (c,) = start_workers(1)
+    try:
+        ids = prompt(5, 61)
+        first = ray.get(a.generate.remote(ids, GREEDY))
+        flush([a])
+        second = ray.get(b.generate.remote(ids, GREEDY))
+        full_blocks = (len(ids) - 1) // BS * BS
+        assert second.metrics.num_pulled_tokens == full_blocks
+        assert_same(second, first)
+        namespace = ray.get(a.ready.remote())["namespace"]
+        hashes = block_hashes(ids, BS, namespace)[: full_blocks // BS]
+        assert block_bytes(a, hashes) == block_bytes(b, hashes)
+        half = ray.get(b.connector_stats.remote())["pulled_bytes"]
+        third = ray.get(c.generate.remote(ids, GREEDY))
+        assert third.metrics.num_pulled_tokens == 0
+        flush([c])
+        (d,) = start_workers(1)  # pulls them from c, as float32
+        try:
+            assert ray.get(d.generate.remote(ids, GREEDY)).metrics.num_pulled_tokens == full_blocks
+            assert ray.get(d.connector_stats.remote())["pulled_bytes"] == 2 * half
+        finally:
+            stop_workers([d])
+    finally:
+        stop_workers([a, b, c])
+
+
 def test_index_equals_union_of_pools_after_evictions(reference: LLM) -> None:
     workers = start_workers(3, num_kv_blocks=24)
     try:

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as GT
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.workers import cpu_kernels
-from kvmesh.workers.attention import TorchAttentionBackend
+from kvmesh.workers.attention import AttentionMetadata, TorchAttentionBackend
 from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.loader import load_weights
 from kvmesh.workers.model import LlamaForCausalLM
@@ -137,6 +137,69 @@ def test_attention_kernel_reads_a_shared_prefix_once() -> None:
     kv_len = kernel._arrays[1].tolist()
     assert kv_len == [160, 1, 15, 40, 16, 30, 3]
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "head_dim"),
+    [(torch.float16, 64), (torch.float16, 24), (torch.bfloat16, 24), (torch.bfloat16, 64)],
+    ids=["f16-d64", "f16-d24", "bf16-d24", "bf16-d64"],
+)
+def test_attention_kernel_reads_a_16_bit_cache_as_its_float32_values(
+    kv_dtype: torch.dtype, head_dim: int
+) -> None:
+    # A float16 cache, and any bfloat16 row `rows` does not read in pairs, is widened exactly:
+    # the output equals, bit for bit, the output on a float32 cache holding the same values,
+    # through `rows` (decodes, d 64), `lanes` (20 and 3 new tokens, a shared prefix, d 24);
+    # SDPA takes the 33-token row. bfloat16 decodes at d 64 are read in pairs (the next
+    # test): there, only close to the reference.
+    case = dict(query_lens=[20, 1, 1, 3, 1, 33], seq_lens=[140, 300, 161, 200, 170, 220])
+    args = dict(**case, hq=9, hkv=3, block_size=16, num_blocks=120, head_dim=head_dim,
+                shared_blocks=10, sharing=[1, 2, 4], kv_dtype=kv_dtype)  # fmt: skip
+    out, ref, meta = make_case(TorchAttentionBackend(cpu_kernel=True), **args)
+    assert meta.scratch["torch_plan"].kernel.num_tokens == 26
+    wide, _, _ = make_case(
+        TorchAttentionBackend(cpu_kernel=True), **args, cache_dtype=torch.float32
+    )
+    assert torch.equal(out, wide) == (kv_dtype == torch.float16 or head_dim % 32 != 0)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_kernel_reads_bfloat16_in_pairs_as_float32_in_pair_order(
+    head_dim: int,
+) -> None:
+    # `rows` reads a bfloat16 row as its even entries, then its odd ones (per 32), in place.
+    # That is the float32 path's sum over head_dim in that order: the same decodes on a
+    # float32 cache (and q) whose head_dim is permuted into pair order give the same bits,
+    # once the output's head_dim is put back.
+    gen = torch.Generator().manual_seed(3)
+    bs, hq, hkv, lens = 16, 9, 3, [300, 1, 129, 260]
+    nb = sum(-(-n // bs) for n in lens) + 1
+    ids = torch.randperm(nb - 1, generator=gen).add(1).tolist()
+    tables = [[ids.pop() for _ in range(-(-n // bs))] for n in lens]
+    cache = [torch.randn(nb, bs, hkv, head_dim, generator=gen).bfloat16() for _ in "kv"]
+    q, k, v = (torch.randn(len(lens), h, head_dim, generator=gen) for h in (hq, hkv, hkv))
+    k, v = k.bfloat16().float(), v.bfloat16().float()
+    order = [
+        dd
+        for c in range(0, head_dim, 32)
+        for dd in [*range(c, c + 32, 2), *range(c + 1, c + 32, 2)]
+    ]
+
+    def attend(q, k, v, caches):
+        meta = AttentionMetadata.build([1] * len(lens), lens, tables, bs, "cpu")
+        out = TorchAttentionBackend(cpu_kernel=True).forward(q, k, v, *caches, meta, 0.125)
+        assert meta.scratch["torch_plan"].kernel.num_tokens == len(lens)
+        return out
+
+    out = attend(q, k, v, [c.clone() for c in cache])
+    permuted = [c.float()[..., order].contiguous() for c in cache]
+    same = attend(q[..., order], k[..., order], v[..., order], permuted)
+    back = torch.empty_like(same)
+    back[..., order] = same
+    assert torch.equal(out, back)
+    wide = attend(q, k, v, [c.float() for c in cache])
+    assert (out - wide).abs().max().item() < 1e-5
 
 
 MIXED = {"self_attn.q_proj": GT.Q4_0, "self_attn.k_proj": GT.Q4_1, "mlp.down_proj": GT.Q4_1}

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.workers.cascade_attention import CascadeDecode, find_shared_prefix
-from kvmesh.workers.cpu_attention import CpuAttentionPlan, kernel_rows
+from kvmesh.workers.cpu_attention import KV_DTYPES, CpuAttentionPlan, kernel_rows
 from kvmesh.workers.cpu_kernels import kernel_library
 
 
@@ -142,7 +142,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     On CPU in float32, with the C kernels built (cpu_kernels.py), rows of at most
     KERNEL_MAX_QUERY_LEN new tokens go through csrc/paged_attention.c instead (cpu_attention.py):
-    it reads K/V in place and takes the cascade too. `cpu_kernel=False` keeps pure torch."""
+    it reads K/V in place (a float32, bfloat16 or float16 cache) and takes the cascade too.
+    A cache of another dtype than q's (``kv_cache_dtype``) is widened to q's as it is read.
+    `cpu_kernel=False` keeps pure torch."""
 
     def __init__(self, cpu_kernel: bool | None = None) -> None:
         self.cpu_kernel = cpu_kernel  # None: when the kernels are available
@@ -151,6 +153,8 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
     ) -> list[int]:
         if q.dtype != torch.float32 or q.device.type != "cpu" or self.cpu_kernel is False:
+            return []
+        if k_cache.dtype not in KV_DTYPES:
             return []
         if self.cpu_kernel is None and kernel_library() is None:
             return []
@@ -210,9 +214,15 @@ class TorchAttentionBackend(AttentionBackend):
                 return od.reshape(nd, hq, d)
             out.index_copy_(0, plan.decode_tokens, od.reshape(nd, hq, d))
 
+        stored = False  # k, v rounded to the cache's dtype yet
         for start, end, seq_len, blocks, mask in plan.prefills:
             lq = end - start
             if blocks is None:  # no cached prefix: the context is exactly this step's k, v
+                if k_cache.dtype != q.dtype and not stored:
+                    # As the cache holds them, so a prompt's attention is the same whether its
+                    # K/V came from this step or from the cache (a prefix hit, a pull).
+                    k, v = (x.to(k_cache.dtype).to(q.dtype) for x in (k, v))
+                    stored = True
                 qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
                 # [Lq, Hkv, D] -> [1, Hq, Lq, D]: a copy, but only as long as the query
                 kp = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)

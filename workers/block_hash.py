@@ -119,6 +119,7 @@ class ModelFingerprint:
     # (defaults: what a plain torch engine on the CPU has).
     attention: str = "TorchAttentionBackend"  # backend class, "+cpu_kernel.vN" with the C kernel
     device: str = "cpu"  # device type: "cpu", "cuda"
+    compute_dtype: str = "float32"  # the model's dtype (``dtype`` is the cache's)
     quantized_matmul: bool = False  # matmuls on quantized weight blocks (applied, not asked)
 
     @property

@@ -1,4 +1,5 @@
-"""Paged attention through csrc/paged_attention.c, for TorchAttentionBackend on CPU in float32.
+"""Paged attention through csrc/paged_attention.c, for TorchAttentionBackend on CPU in float32
+(the cache in float32, bfloat16 or float16: ``KV_DTYPES``).
 
 It takes the rows of few new tokens (decodes, short prefills over a cached prefix): their
 attention reads K/V in place in the paged cache, where torch would first gather it, and runs
@@ -25,6 +26,8 @@ KERNEL_MAX_QUERY_LEN = 32
 # decodes summed over 16-wide vectors of head_dim), since every layer's KV after the first
 # depends on them and peers and disk tiers must not mix the two.
 KERNEL_NUMERICS = 2
+# The cache element types the kernel reads, and its code for each.
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class CpuAttentionPlan:
@@ -100,7 +103,7 @@ class CpuAttentionPlan:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """q float32 [num_tokens, Hq, D] (this plan's tokens in order) -> [num_tokens, Hq, D];
-        caches float32 [N, bs, Hkv, D]."""
+        caches [N, bs, Hkv, D] of a dtype in ``KV_DTYPES``."""
         q = q.contiguous()
         t, hq, d = q.shape
         _, bs, hkv, _ = k_cache.shape
@@ -110,6 +113,7 @@ class CpuAttentionPlan:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), blocks,
             t, hq, hkv, d, bs, self.num_items,
             kv_len, block_off, q_off, nq, qtok, qlim, scale, torch.get_num_threads(),
+            KV_DTYPES[k_cache.dtype],
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"paged attention kernel failed (head_dim {d}, {hq}/{hkv} heads)")

@@ -101,13 +101,14 @@ def _build(cc: str, isa: str) -> Path | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "kvq_packed_bytes": (i64, [i32, i64, i64]),
         "kvq_repack": (i32, [i32, ptr, i64, i64, ptr]),
         "kvq_matmul": (i32, [i32, ptr, i64, i64, ptr, i64, ptr, i32]),
         "kvmesh_isa_bits": (i32, []),
-        "kva_paged_attention": (i32, [ptr] * 5 + [i32] * 6 + [ptr] * 6 + [ctypes.c_float, i32]),
+        # ..., scale, threads, kv_dtype
+        "kva_paged_attention": (i32, [ptr] * 5 + [i32] * 6 + [ptr] * 6 + [f32, i32, i32]),
     }
     for name, (res, args) in signatures.items():
         fn = getattr(lib, name)

@@ -96,7 +96,11 @@ class LLMEngine:
         weights = load_weights(config.model, progress=config.progress)
         self.model_config = mc = weights.config
         self.tokenizer = weights.tokenizer
-        backend = get_attn_backend(config.attention_backend, self.device, self.dtype)
+        self.kv_dtype = config.resolved_kv_cache_dtype
+        # Flash kernels read the cache in q's dtype (EngineConfig refuses "flash" with another
+        # cache dtype); the torch backend widens a cache of another dtype as it reads it.
+        backend_name = "torch" if self.kv_dtype != self.dtype else config.attention_backend
+        backend = get_attn_backend(backend_name, self.device, self.dtype)
         model = LlamaForCausalLM(mc, backend)
         model.load_state_dict(weights.state_dict)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -109,7 +113,7 @@ class LLMEngine:
         del weights  # the model holds its own copy of the tensors
 
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_memory(
-            mc, config.block_size, self.dtype, parse_memory(config.kv_cache_memory)
+            mc, config.block_size, self.kv_dtype, parse_memory(config.kv_cache_memory)
         )
         if num_blocks < 1:
             raise ValueError(
@@ -117,10 +121,13 @@ class LLMEngine:
                 f"{config.block_size} tokens for this model"
             )
         self.max_model_len = context_len(config, mc.max_position_embeddings, num_blocks)
-        self.kv_cache = KVCache.allocate(mc, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache.allocate(
+            mc, num_blocks, config.block_size, self.kv_dtype, self.device
+        )
         self.fingerprint = ModelFingerprint(
             weights_id=weights_id,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.kv_dtype).removeprefix("torch."),
+            compute_dtype=str(self.dtype).removeprefix("torch."),
             block_size=config.block_size,
             kv_layout=KV_LAYOUT,
             num_layers=mc.num_layers,

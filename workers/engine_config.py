@@ -24,6 +24,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     device: str | None = None  # None: CUDA when available, else CPU
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    # The KV cache's element type: "auto" (the model's dtype) or one of float32, bfloat16,
+    # float16. A 16-bit cache under a float32 model holds twice the tokens in the same
+    # memory and moves half the bytes (attention reads, pulls, tiers), for K/V rounded once.
+    kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # "torch", "flash", or None for automatic
     max_num_seqs: int = 64
     # Prefill chunk size too. Small chunks let a request hit the prefix that another request
@@ -49,6 +53,19 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be auto or one of {sorted(_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if (
+            self.attention_backend == "flash"
+            and self.resolved_kv_cache_dtype != self.resolved_dtype
+        ):
+            raise ValueError(
+                "kv_cache_dtype: the flash attention backend needs the model's dtype "
+                f"({str(self.resolved_dtype).removeprefix('torch.')}); use the torch backend"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         _ = self.tier_config  # validates the tier settings
@@ -83,6 +100,12 @@ class EngineConfig:
         if self.dtype is not None:
             return _DTYPES[self.dtype]
         return torch.bfloat16 if self.resolved_device.startswith("cuda") else torch.float32
+
+    @property
+    def resolved_kv_cache_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return self.resolved_dtype
+        return _DTYPES[self.kv_cache_dtype]
 
 
 def check_host_memory(host_bytes: int) -> None:

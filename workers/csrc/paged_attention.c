@@ -1,5 +1,10 @@
 /* Paged attention, float32, for query rows of few tokens: decodes and short prefills over a
- * cached context. Reads K/V where they lie in the paged cache, without gathering them.
+ * cached context. Reads K/V where they lie in the paged cache, without gathering them. The
+ * cache holds float32, or bfloat16 / float16 (kv_dtype), which moves half the bytes from
+ * memory. `rows` reads bfloat16 in place, a pair of vectors at a time (the even entries and
+ * the odd ones of 32: two integer ops, no conversion; q is laid out to match); any other
+ * 16-bit row is widened into float32 scratch first (exactly: every 16-bit value is a
+ * float32), and summed as float32 rows with the same values would be.
  *
  * The caller splits a step's attention into items. Item i lists query tokens
  * qtok[qo[i] .. qo[i] + nq[i]) (rows of q and out) and keys: the first kv_len[i] tokens held by
@@ -20,6 +25,7 @@
  * folded across lanes, and V is summed a row at a time (`rows`; d a multiple of 16).
  *
  * Layouts: q, out [T, hq, d]; k_cache, v_cache [N, block_size, hkv, d]; d a multiple of 8.
+ * kv_dtype: KV_F32, KV_BF16 or KV_F16, the caches' element type.
  * Every row of q (0 .. T-1) must be listed by some item and see at least one key.
  * The inner loops run over the query heads a vector holds at once: 16 with AVX-512, 8 with
  * AVX2 + FMA (whichever the compiler targets; both builds give the same results).
@@ -48,6 +54,7 @@ enum { LANES = 16, CHUNK = 128, TU = 8 /* keys (or d) per register tile */ };
  * 34 / 31 / 28 / 27 at 3 / 4 / 6 / 8 heads, lanes 57 / 42 / 29 / 22 (one vector, its
  * lanes filling up): rows wins up to 6. */
 enum { ROWS_MAX = 6, D_MAX = 256, PF = 8 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 }; /* the caches' element type */
 
 typedef struct {
     int item, chunk, head;
@@ -55,8 +62,9 @@ typedef struct {
 } Task;
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
-    int hq, hkv, d, bs;
+    const float *q;
+    const char *k_cache, *v_cache; /* elements of kv_dtype, esize bytes each */
+    int hq, hkv, d, bs, kv_dtype, esize;
     const int32_t *blocks, *kv_len, *bo, *qo, *nq, *qtok, *qlim;
     float scale;
 } Args;
@@ -218,6 +226,14 @@ static inline __m256 v16_fold(v16 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v),
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
+/* 32 bfloat16 values p[0 .. 32) as float32: the even-indexed ones (lane i: p[2i]) and the
+ * odd ones (p[2i + 1]). A 32-bit lane holds a pair; its high half is the odd value's bits
+ * already, its low half shifted up the even's: two integer ops, no conversion. */
+static inline void v16_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
+    __m512i x = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
 #else
 typedef struct { __m256 lo, hi; } v16;
 static inline v16 v16_load(const float *p) {
@@ -241,6 +257,15 @@ static inline v16 v16_exp_shifted(v16 x, float base) {
     return (v16){exp256_nonpos(_mm256_sub_ps(x.lo, b)), exp256_nonpos(_mm256_sub_ps(x.hi, b))};
 }
 static inline __m256 v16_fold(v16 v) { return _mm256_add_ps(v.lo, v.hi); }
+static inline void v16_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
+    __m256i lo = _mm256_loadu_si256((const __m256i *)p);
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(p + 16));
+    __m256i mask = _mm256_set1_epi32((int)0xFFFF0000u);
+    *even = (v16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+                  _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+    *odd = (v16){_mm256_castsi256_ps(_mm256_and_si256(lo, mask)),
+                 _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
+}
 #endif
 
 /* The sum of v's 16 lanes, in one fixed tree: (i + i+8), then (i + i+4), (i + i+2), (0 + 1). */
@@ -252,16 +277,23 @@ static inline float v16_sum(v16 v) {
     return _mm_cvtss_f32(a);
 }
 
+/* Where entry dd of a head_dim vector sits in pair order: within each run of 32 entries, the
+ * 16 even ones first, then the 16 odd ones (how v16_bf16_pair hands a bfloat16 row over). */
+static inline int pair_slot(int dd) { return dd / 32 * 32 + dd % 2 * 16 + dd % 32 / 2; }
+
 /* The partials of nj (<= ROWS_MAX) query heads, rows of qrow [nj][d] (scaled), against keys
  * krow/vrow[0 .. n) at positions c0 .. c0+n-1 of the item; query head j sees positions below
  * lim[j]. `s` holds CHUNK floats. Writes pm[j], pl[j] and pacc[dd * njp + j], as `lanes`.
- * With pf_floats > 0 (a unit's first KV head) it also asks for the K and V slot rows PF keys
- * ahead, pf_floats floats of each (every KV head's): a decode streams its keys from memory,
- * and without this the misses came one key at a time; the unit's other heads then find
- * their entries in cache. */
-static void rows(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
-                 const float *const *krow, const float *const *vrow, int n, int c0, int d,
-                 float *pm, float *pl, float *pacc, int pf_floats) {
+ * The rows are float32 (bf16 = 0), or bfloat16 read a pair of 16-wide vectors at a time
+ * (bf16 = 1, d a multiple of 32: qrow is then in pair order, and no row is ever widened
+ * in memory). With pf_bytes > 0 (a unit's first KV head) it also asks for the K and V slot
+ * rows PF keys ahead, pf_bytes of each (every KV head's): a decode streams its keys from
+ * memory, and without this the misses came one key at a time; the unit's other heads then
+ * find their entries in cache. */
+static inline __attribute__((always_inline)) void rows_of(
+    const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
+    const void *const *krow, const void *const *vrow, int n, int c0, int d, float *pm,
+    float *pl, float *pacc, int pf_bytes, const int bf16) {
     const int nd = d / 16;
     for (int j = 0; j < nj; j++) {
         v16 q[D_MAX / 16], acc[D_MAX / 16];
@@ -272,12 +304,20 @@ static void rows(const float *qrow, float *s, int nj, int64_t njp, const int32_t
                 continue;
             }
             if (t + PF < n)
-                for (int off = 0; off < pf_floats; off += 16) {
-                    _mm_prefetch((const char *)(krow[t + PF] + off), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(vrow[t + PF] + off), _MM_HINT_T1);
+                for (int off = 0; off < pf_bytes; off += 64) {
+                    _mm_prefetch((const char *)krow[t + PF] + off, _MM_HINT_T0);
+                    _mm_prefetch((const char *)vrow[t + PF] + off, _MM_HINT_T1);
                 }
             v16 dot = v16_set1(0.0f);
-            for (int c = 0; c < nd; c++) dot = v16_fma(q[c], v16_load(krow[t] + 16 * c), dot);
+            if (bf16)
+                for (int c = 0; c < nd; c += 2) {
+                    v16 even, odd;
+                    v16_bf16_pair((const uint16_t *)krow[t] + 16 * c, &even, &odd);
+                    dot = v16_fma(q[c + 1], odd, v16_fma(q[c], even, dot));
+                }
+            else
+                for (int c = 0; c < nd; c++)
+                    dot = v16_fma(q[c], v16_load((const float *)krow[t] + 16 * c), dot);
             s[t] = v16_sum(dot);
         }
         v16 mv = v16_load(s);
@@ -298,11 +338,44 @@ static void rows(const float *qrow, float *s, int nj, int64_t njp, const int32_t
         for (int c = 0; c < nd; c++) acc[c] = v16_set1(0.0f);
         for (int t = 0; t < n; t++) {
             v16 p = v16_set1(s[t]);
-            for (int c = 0; c < nd; c++) acc[c] = v16_fma(p, v16_load(vrow[t] + 16 * c), acc[c]);
+            if (bf16)
+                for (int c = 0; c < nd; c += 2) {
+                    v16 even, odd;
+                    v16_bf16_pair((const uint16_t *)vrow[t] + 16 * c, &even, &odd);
+                    acc[c] = v16_fma(p, even, acc[c]);
+                    acc[c + 1] = v16_fma(p, odd, acc[c + 1]);
+                }
+            else
+                for (int c = 0; c < nd; c++)
+                    acc[c] = v16_fma(p, v16_load((const float *)vrow[t] + 16 * c), acc[c]);
         }
         float out[D_MAX];
         for (int c = 0; c < nd; c++) v16_store(out + 16 * c, acc[c]);
-        for (int dd = 0; dd < d; dd++) pacc[dd * njp + j] = out[dd];
+        for (int dd = 0; dd < d; dd++) pacc[dd * njp + j] = out[bf16 ? pair_slot(dd) : dd];
+    }
+}
+
+static void rows(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
+                 const void *const *krow, const void *const *vrow, int n, int c0, int d,
+                 float *pm, float *pl, float *pacc, int pf_bytes) {
+    rows_of(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 0);
+}
+
+static void rows_bf16(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
+                      const void *const *krow, const void *const *vrow, int n, int c0, int d,
+                      float *pm, float *pl, float *pacc, int pf_bytes) {
+    rows_of(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 1);
+}
+
+/* n 16-bit K or V entries at src (bfloat16 or float16) as float32 at dst; n a multiple of 8.
+ * Both conversions are exact. */
+static void widen(const uint16_t *src, float *dst, int n, int kv_dtype) {
+    for (int i = 0; i < n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        __m256 f = kv_dtype == KV_BF16
+                       ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                       : _mm256_cvtph_ps(h);
+        _mm256_storeu_ps(dst + i, f);
     }
 }
 
@@ -312,7 +385,8 @@ static int takes_rows(const Args *a, int it) {
 }
 
 /* One task: the partials of item `it`'s queries, query heads of KV head h, over keys
- * [c0, c1) of the item. `scratch` holds (CHUNK + d) * nj_pad floats. */
+ * [c0, c1) of the item. `scratch` holds (CHUNK + d) * nj_pad floats, then (a 16-bit cache)
+ * 2 * CHUNK * d for the chunk's K and V rows widened to float32. */
 static void run_task(const Args *a, const Task *tk, float *parts, float *scratch) {
     const int g = a->hq / a->hkv, d = a->d, h = tk->head, it = tk->item;
     const int nj = a->nq[it] * g;
@@ -321,10 +395,15 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
     const int c1 = c0 + CHUNK < a->kv_len[it] ? c0 + CHUNK : a->kv_len[it];
     const int n = c1 - c0;
     const int by_rows = takes_rows(a, it);
+    /* `rows` reads bfloat16 rows where they lie (d in pair order); any other 16-bit row is
+     * widened into scratch first. */
+    const int pairs = by_rows && a->kv_dtype == KV_BF16 && d % 32 == 0;
+    const int in_place = a->kv_dtype == KV_F32 || pairs;
     float *qt = scratch;          /* by lanes [d][njp], by rows [nj][d]: scaled queries */
     float *s = qt + d * njp;      /* [CHUNK][njp]: scores, then probabilities */
     int32_t lim[njp];
-    const float *krow[CHUNK], *vrow[CHUNK];
+    const void *krow[CHUNK], *vrow[CHUNK];
+    float *wide = s + (int64_t)CHUNK * njp; /* a 16-bit cache's rows as float32: K, then V */
     const int32_t *qtok = a->qtok + a->qo[it], *qlim = a->qlim + a->qo[it];
 
     /* `lanes` reads whole vectors, padding included; `rows` only the nj query heads. */
@@ -334,15 +413,33 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
         const float *qv = valid ? a->q + ((int64_t)qtok[j / g] * a->hq + h * g + j % g) * d : 0;
         for (int dd = 0; dd < d; dd++) {
             float x = valid ? qv[dd] * a->scale : 0.0f;
-            qt[by_rows ? j * d + dd : dd * njp + j] = x;
+            qt[by_rows ? j * d + (pairs ? pair_slot(dd) : dd) : dd * njp + j] = x;
         }
     }
     const int32_t *blocks = a->blocks + a->bo[it];
+    const int64_t row_bytes = (int64_t)d * a->esize, slot_bytes = a->hkv * row_bytes;
     /* Key c0 + t sits in block (c0 + t) / bs at offset (c0 + t) % bs, stepped key by key. */
     for (int t = 0, b = c0 / a->bs, o = c0 % a->bs; t < n; t++) {
-        int64_t slot = (int64_t)blocks[b] * a->bs + o;
-        krow[t] = a->k_cache + (slot * a->hkv + h) * d;
-        vrow[t] = a->v_cache + (slot * a->hkv + h) * d;
+        int64_t at = ((int64_t)blocks[b] * a->bs + o) * slot_bytes + h * row_bytes;
+        if (in_place) {
+            krow[t] = a->k_cache + at;
+            vrow[t] = a->v_cache + at;
+        } else {
+            /* The first KV head's pass asks for whole slot rows PF keys ahead, as `rows` does
+             * for a float32 cache; the others then find theirs in cache. */
+            if (h == 0 && t + PF < n) {
+                int k2 = c0 + t + PF; /* the key PF ahead: block k2 / bs, offset k2 % bs */
+                int64_t at2 = ((int64_t)blocks[k2 / a->bs] * a->bs + k2 % a->bs) * slot_bytes;
+                for (int64_t off = 0; off < slot_bytes; off += 64) {
+                    _mm_prefetch(a->k_cache + at2 + off, _MM_HINT_T0);
+                    _mm_prefetch(a->v_cache + at2 + off, _MM_HINT_T0);
+                }
+            }
+            float *kw = wide + (int64_t)t * d, *vw = wide + (int64_t)(CHUNK + t) * d;
+            widen((const uint16_t *)(a->k_cache + at), kw, d, a->kv_dtype);
+            widen((const uint16_t *)(a->v_cache + at), vw, d, a->kv_dtype);
+            krow[t] = kw, vrow[t] = vw;
+        }
         if (++o == a->bs) o = 0, b++;
     }
     for (int t = n; t < CHUNK; t++) /* past n: copies of key 0, so tiles load valid memory */
@@ -350,24 +447,30 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
 
     float *pm = parts + tk->part, *pl = pm + njp, *pacc = pl + njp;
     if (by_rows) {
-        rows(qt, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, h == 0 ? a->hkv * d : 0);
+        int pf_bytes = h == 0 && in_place ? (int)slot_bytes : 0; /* widened: prefetched above */
+        (pairs ? rows_bf16 : rows)(qt, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc,
+                                   pf_bytes);
         return;
     }
     /* Vectors past the last query head hold only padding, which the merge never reads. */
+    const float *const *kf = (const float *const *)krow, *const *vf = (const float *const *)vrow;
     for (int64_t j0 = 0; j0 < nj; j0 += VL)
-        lanes(qt + j0, s + j0, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0, pacc + j0);
+        lanes(qt + j0, s + j0, njp, lim + j0, kf, vf, n, c0, d, pm + j0, pl + j0, pacc + j0);
 }
 
 /* out = softmax(q . K) V for every row, over the keys its items give it.
- * Returns 0, or -1 on bad sizes (d % 8, hq % hkv) or a failed allocation. */
-int kva_paged_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
+ * Returns 0, or -1 on bad sizes (d % 8, hq % hkv), an unknown kv_dtype or a failed
+ * allocation. */
+int kva_paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
                         const int32_t *blocks, int T, int hq, int hkv, int d, int bs, int n_items,
                         const int32_t *kv_len, const int32_t *bo, const int32_t *qo,
                         const int32_t *nq, const int32_t *qtok, const int32_t *qlim, float scale,
-                        int nthreads) {
+                        int nthreads, int kv_dtype) {
     if (d % TU != 0 || hkv < 1 || hq % hkv != 0 || bs < 1 || T < 0) return -1;
+    if (kv_dtype != KV_F32 && kv_dtype != KV_BF16 && kv_dtype != KV_F16) return -1;
     const int g = hq / hkv;
-    Args a = {q, k_cache, v_cache, hq, hkv, d, bs, blocks, kv_len, bo, qo, nq, qtok, qlim, scale};
+    Args a = {q, k_cache, v_cache, hq, hkv, d, bs, kv_dtype, kv_dtype == KV_F32 ? 4 : 2,
+              blocks, kv_len, bo, qo, nq, qtok, qlim, scale};
     int64_t n_tasks = 0, part_floats = 0, max_njp = 0;
     for (int i = 0; i < n_items; i++) {
         int64_t njp = pad16((int64_t)nq[i] * g);
@@ -400,7 +503,8 @@ int kva_paged_attention(const float *q, const float *k_cache, const float *v_cac
     }
     units[nu] = nt;
 
-    const size_t scratch_floats = (size_t)(CHUNK + d) * max_njp;
+    const size_t scratch_floats =
+        (size_t)(CHUNK + d) * max_njp + (kv_dtype == KV_F32 ? 0 : (size_t)2 * CHUNK * d);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
