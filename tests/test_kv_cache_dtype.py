@@ -10,6 +10,7 @@ import torch
 from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_flags import add_serve_args, config_from_args
+from kvmesh.cluster.worker_deployment import engine_config
 from kvmesh.workers.engine_config import EngineConfig
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
@@ -78,3 +79,4 @@ def test_bad_settings_are_named() -> None:
     add_serve_args(p)
     config = config_from_args(p.parse_args(["--kv-cache-dtype", "bfloat16"]))
     assert config.kv_cache_dtype == "bfloat16"
+    assert engine_config(config).kv_cache_dtype == "bfloat16"  # what a worker replica builds
