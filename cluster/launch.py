@@ -7,6 +7,7 @@ app on a shared cluster is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -14,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvmesh.cluster.config import ServeConfig
@@ -51,8 +53,27 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     # Serve's proxy will bind on this machine: a port in use fails now, not after Serve's start.
     check_port_free(config)
     # address="local": a stale RAY_ADDRESS or /tmp/ray/ray_current_cluster is not joined.
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    with _ignoring_sighup():
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
+
+
+@contextlib.contextmanager
+def _ignoring_sighup() -> Iterator[None]:
+    """The local Ray's processes (its GCS, raylet, agents) start with SIGHUP ignored, as under
+    nohup: a closed terminal sends SIGHUP to this command's whole process group, and they
+    died with it at once, so the teardown found no Ray to drain and waited 60 s for the GCS.
+    Ray's processes already block SIGINT (Ctrl-C's signal), and Ray stops them with SIGTERM
+    and SIGKILL, never SIGHUP. An ignored signal stays ignored across exec; a handler would
+    not. (Ray's workers start in process groups of their own: no group signal reaches them.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal.signal works in the main thread only
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _check_answers(address: str, timeout_s: float = 5.0) -> None:

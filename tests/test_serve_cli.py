@@ -51,14 +51,19 @@ ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
+    """In a session of its own, as a shell starts a command: its process group is its own,
+    and a terminal's or a service manager's signal to that group reaches only it and what
+    it started (``os.killpg(proc.pid, ...)``)."""
     return subprocess.Popen(
-        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
 
 
 def test_serve_answers_then_shuts_down_cleanly() -> None:
-    """Stopped by SIGHUP, which a closed terminal sends (before: the process died at once,
-    without its teardown)."""
+    """Stopped by SIGHUP to its whole process group, as a closed terminal sends it (before:
+    the process died at once, without its teardown; then, the local Ray's GCS and raylet
+    died of the same SIGHUP, and the teardown waited 60 s for them)."""
     port = free_port()
     flags = ["--address", "local", "--block-size", "4", "--kv-cache-memory", "8MiB"]
     proc = start(serve_cmd(port, *flags, "--api-key", "sekret"))
@@ -74,8 +79,13 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
         assert chat.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong").models.list()
+        # Up (the ingress answers /health a moment before the command says so): what is
+        # drained now is a running app's, not one still coming up.
+        while "kvmesh: serving" not in (line := proc.stdout.readline()):
+            assert line, "kvmesh serve exited before it said it serves"
     finally:
-        proc.send_signal(signal.SIGHUP)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGHUP)
         try:
             out, _ = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
@@ -83,6 +93,8 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
             raise
     assert proc.returncode == 0, out
     assert "shutting down (running requests get up to 30 s" in out
+    assert "Failed to connect to GCS" not in out, out
+    assert time.monotonic() - sent < 40, out  # the app deleted, Serve and Ray stopped in order
     _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not alive, f"left behind: {[p.cmdline()[:2] for p in alive]}"
 
