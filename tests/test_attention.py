@@ -14,12 +14,12 @@ from kvmesh.workers import cascade_attention
 from kvmesh.workers.attention import (
     AttentionBackend,
     AttentionMetadata,
-    FlashAttentionBackend,
     TorchAttentionBackend,
     get_attn_backend,
 )
 from kvmesh.workers.cascade_attention import find_shared_prefix
 from kvmesh.workers.cpu_kernels import kernel_library
+from kvmesh.workers.flash_attention import FlashAttentionBackend
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model_config import ModelConfig

@@ -2,15 +2,14 @@
 
 `AttentionMetadata` describes one model step (shared by every layer); an `AttentionBackend`
 writes the step's new K/V into the paged cache and attends. Two backends: `TorchAttentionBackend`
-(pure torch, any device, the CPU path) and `FlashAttentionBackend` (vllm-flash-attn on CUDA).
+(pure torch, any device, the CPU path) and `FlashAttentionBackend` (vllm-flash-attn on CUDA,
+flash_attention.py).
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.workers.cascade_attention import CascadeDecode, find_shared_prefix
-from kvmesh.workers.cpu_attention import KV_DTYPES, CpuAttentionPlan, kernel_rows
+from kvmesh.workers.cpu_attention import CpuAttentionPlan, kernel_rows
 from kvmesh.workers.cpu_kernels import kernel_library
 
 
@@ -108,17 +107,22 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor: ...
 
 
-def _write_kv(
+def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's k, v at their slots; returns them as the cache holds them (its dtype),
+    which is what attention must see, so that a prompt attends alike whether its K/V came from
+    this step or from the cache (a prefix hit, a pull)."""
     # [N, bs, Hkv, D] -> [N*bs, Hkv, D]: a flat slot indexes one token's K (or V) of all heads.
     n, bs, hkv, d = k_cache.shape
-    k_cache.view(n * bs, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(n * bs, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(n * bs, hkv, d).index_copy_(0, slots, k)
+    v_cache.view(n * bs, hkv, d).index_copy_(0, slots, v)
+    return k, v
 
 
 def _context_blocks(block_tables: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -154,8 +158,6 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> list[int]:
         if q.dtype != torch.float32 or q.device.type != "cpu" or self.cpu_kernel is False:
             return []
-        if k_cache.dtype not in KV_DTYPES:
-            return []
         if self.cpu_kernel is None and kernel_library() is None:
             return []
         return kernel_rows(meta.query_lens_cpu, q.shape[2], q.shape[1], k_cache.shape[2])
@@ -170,7 +172,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k, v = write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = meta.scratch.get("torch_plan")
         if plan is None:
             group = q.shape[1] // k_cache.shape[2]
@@ -214,19 +216,15 @@ class TorchAttentionBackend(AttentionBackend):
                 return od.reshape(nd, hq, d)
             out.index_copy_(0, plan.decode_tokens, od.reshape(nd, hq, d))
 
-        stored = False  # k, v rounded to the cache's dtype yet
         for start, end, seq_len, blocks, mask in plan.prefills:
             lq = end - start
             if blocks is None:  # no cached prefix: the context is exactly this step's k, v
-                if k_cache.dtype != q.dtype and not stored:
-                    # As the cache holds them, so a prompt's attention is the same whether its
-                    # K/V came from this step or from the cache (a prefix hit, a pull).
-                    k, v = (x.to(k_cache.dtype).to(q.dtype) for x in (k, v))
-                    stored = True
                 qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
                 # [Lq, Hkv, D] -> [1, Hq, Lq, D]: a copy, but only as long as the query
-                kp = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-                vp = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+                kp, vp = (
+                    x[start:end].to(q.dtype).repeat_interleave(group, 1).transpose(0, 1)[None]
+                    for x in (k, v)
+                )
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
                 out[start:end] = op[0].transpose(0, 1)
                 continue
@@ -321,71 +319,14 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return zero.masked_fill(~allowed, float("-inf"))
 
 
-class FlashAttentionBackend(AttentionBackend):
-    """CUDA only: vllm-flash-attn's (or flash-attn's) varlen kernel reading K/V straight from the
-    paged cache through block_table. The package is imported when the backend is built, never at
-    module import. flash-attn upstream wants block_size % 256 == 0; vllm-flash-attn takes
-    multiples of 16. Dtypes: fp16/bf16 only."""
-
-    def __init__(self) -> None:
-        try:
-            from vllm_flash_attn import flash_attn_varlen_func
-        except ImportError:
-            try:
-                from flash_attn import flash_attn_varlen_func
-            except ImportError as e:
-                raise ImportError(
-                    "the flash attention backend needs vllm-flash-attn (pip install "
-                    "'kvmesh[gpu]') or flash-attn"
-                ) from e
-        self._fn: Callable[..., torch.Tensor] = flash_attn_varlen_func
-        params = inspect.signature(flash_attn_varlen_func).parameters
-        # Newer vllm-flash-attn takes seqused_k with block_table (and forbids cu_seqlens_k then);
-        # older kernels have no seqused_k, or one that cannot replace the required cu_seqlens_k.
-        cu_k = params.get("cu_seqlens_k")
-        self._uses_seqused_k = "seqused_k" in params and cu_k is not None and cu_k.default is None
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"flash attention needs float16 or bfloat16, got {q.dtype}")
-        _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self._uses_seqused_k:
-            kv_len = {"seqused_k": meta.seq_lens}
-        else:
-            # Older kernels (vllm-flash-attn 2.6, flash-attn) take cumulative key lengths.
-            if "cu_seqlens_k" not in meta.scratch:
-                cu = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
-                meta.scratch["cu_seqlens_k"] = cu
-            kv_len = {"cu_seqlens_k": meta.scratch["cu_seqlens_k"]}
-        return self._fn(
-            q=q,
-            k=k_cache,
-            v=v_cache,
-            cu_seqlens_q=meta.query_start_loc,
-            max_seqlen_q=meta.max_query_len,
-            max_seqlen_k=meta.max_seq_len,
-            softmax_scale=scale,
-            causal=True,  # bottom-right aligned: the new tokens are the last of each context
-            block_table=meta.block_tables,
-            **kv_len,
-        )
-
-
 def get_attn_backend(
     name: str | None, device: torch.device | str, dtype: torch.dtype | None = None
 ) -> AttentionBackend:
     """The backend called `name`: "torch", "flash", or None for flash on CUDA when importable
     and `dtype` is fp16/bf16 (flash kernels take nothing else), else torch. Raises ValueError
     for an unknown name or "flash" off CUDA, ImportError for "flash" without a flash package."""
+    from kvmesh.workers.flash_attention import FlashAttentionBackend  # imports this module
+
     dev = torch.device(device)
     if name is None:
         if dev.type == "cuda" and dtype in (None, torch.float16, torch.bfloat16):
