@@ -292,7 +292,7 @@ static inline int pair_slot(int dd) { return dd / 32 * 32 + dd % 2 * 16 + dd % 3
  * find their entries in cache. */
 static inline __attribute__((always_inline)) void rows_of(
     const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
-    const void *const *krow, const void *const *vrow, int n, int c0, int d, float *pm,
+    const float *const *krow, const float *const *vrow, int n, int c0, int d, float *pm,
     float *pl, float *pacc, int pf_bytes, const int bf16) {
     const int nd = d / 16;
     for (int j = 0; j < nj; j++) {
@@ -317,7 +317,7 @@ static inline __attribute__((always_inline)) void rows_of(
                 }
             else
                 for (int c = 0; c < nd; c++)
-                    dot = v16_fma(q[c], v16_load((const float *)krow[t] + 16 * c), dot);
+                    dot = v16_fma(q[c], v16_load(krow[t] + 16 * c), dot);
             s[t] = v16_sum(dot);
         }
         v16 mv = v16_load(s);
@@ -347,7 +347,7 @@ static inline __attribute__((always_inline)) void rows_of(
                 }
             else
                 for (int c = 0; c < nd; c++)
-                    acc[c] = v16_fma(p, v16_load((const float *)vrow[t] + 16 * c), acc[c]);
+                    acc[c] = v16_fma(p, v16_load(vrow[t] + 16 * c), acc[c]);
         }
         float out[D_MAX];
         for (int c = 0; c < nd; c++) v16_store(out + 16 * c, acc[c]);
@@ -356,13 +356,13 @@ static inline __attribute__((always_inline)) void rows_of(
 }
 
 static void rows(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
-                 const void *const *krow, const void *const *vrow, int n, int c0, int d,
+                 const float *const *krow, const float *const *vrow, int n, int c0, int d,
                  float *pm, float *pl, float *pacc, int pf_bytes) {
     rows_of(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 0);
 }
 
 static void rows_bf16(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
-                      const void *const *krow, const void *const *vrow, int n, int c0, int d,
+                      const float *const *krow, const float *const *vrow, int n, int c0, int d,
                       float *pm, float *pl, float *pacc, int pf_bytes) {
     rows_of(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 1);
 }
@@ -402,7 +402,9 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
     float *qt = scratch;          /* by lanes [d][njp], by rows [nj][d]: scaled queries */
     float *s = qt + d * njp;      /* [CHUNK][njp]: scores, then probabilities */
     int32_t lim[njp];
-    const void *krow[CHUNK], *vrow[CHUNK];
+    /* Row addresses; a bfloat16 row read in place is held as a float pointer too (rows_bf16
+     * reads it as uint16_t). */
+    const float *krow[CHUNK], *vrow[CHUNK];
     float *wide = s + (int64_t)CHUNK * njp; /* a 16-bit cache's rows as float32: K, then V */
     const int32_t *qtok = a->qtok + a->qo[it], *qlim = a->qlim + a->qo[it];
 
@@ -422,8 +424,8 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
     for (int t = 0, b = c0 / a->bs, o = c0 % a->bs; t < n; t++) {
         int64_t at = ((int64_t)blocks[b] * a->bs + o) * slot_bytes + h * row_bytes;
         if (in_place) {
-            krow[t] = a->k_cache + at;
-            vrow[t] = a->v_cache + at;
+            krow[t] = (const float *)(a->k_cache + at);
+            vrow[t] = (const float *)(a->v_cache + at);
         } else {
             /* The first KV head's pass asks for whole slot rows PF keys ahead, as `rows` does
              * for a float32 cache; the others then find theirs in cache. */
@@ -453,9 +455,8 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
         return;
     }
     /* Vectors past the last query head hold only padding, which the merge never reads. */
-    const float *const *kf = (const float *const *)krow, *const *vf = (const float *const *)vrow;
     for (int64_t j0 = 0; j0 < nj; j0 += VL)
-        lanes(qt + j0, s + j0, njp, lim + j0, kf, vf, n, c0, d, pm + j0, pl + j0, pacc + j0);
+        lanes(qt + j0, s + j0, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0, pacc + j0);
 }
 
 /* out = softmax(q . K) V for every row, over the keys its items give it.
