@@ -128,6 +128,7 @@ class Chunk:
 class Backend(Protocol):
     model_name: str
     max_model_len: int
+    vocab_size: int
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a completion prompt (ValueError naming ``prompt`` on bad input)."""

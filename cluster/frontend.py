@@ -90,6 +90,7 @@ class ClusterBackend:
                 lambda: handles[self.role].worker_info.remote().result(timeout_s=READY_TIMEOUT_S)
             ).result()
         self.max_model_len: int = self.info["max_model_len"]
+        self.vocab_size: int = self.info["vocab_size"]
         self.namespace: bytes = self.info["namespace"]
         self.index = get_index_actor(self.info["fingerprint"]) if config.connector else None
         self.caller = _current_actor()
@@ -118,7 +119,7 @@ class ClusterBackend:
     # -- tokens -------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        return prompt_token_ids(self.tokenizer, prompt, self.info["vocab_size"])
+        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)

@@ -56,13 +56,13 @@ class LocalBackend:
         self.model_name = config.model
         self.max_model_len = self.worker.engine.max_model_len
         self.tokenizer = self.worker.engine.tokenizer
-        self._vocab_size = self.worker.engine.model_config.vocab_size
+        self.vocab_size = self.worker.engine.model_config.vocab_size
 
     # -- tokens -------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """The ids the engine will see for ``prompt`` (what ``make_request`` computes)."""
-        return prompt_token_ids(self.tokenizer, prompt, self._vocab_size)
+        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)

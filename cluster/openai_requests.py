@@ -27,7 +27,7 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
     body.check(model_name)
     messages = body.message_dicts()
     ids = await asyncio.to_thread(_chat_ids, backend, messages)
-    params = body.sampling_params(len(ids), backend.max_model_len)
+    params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = body.per_choice(params)
     reqs = _choice_requests(rid, 0, body.n, choices, messages=messages, prompt_ids=ids)
@@ -43,7 +43,8 @@ async def completion_choices(backend: Backend, body: CompletionRequest, model_na
     total = len(prompts) * body.n
     for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
         ids = await asyncio.to_thread(valid, lambda p=prompt: backend.tokenize(p))
-        choices = body.per_choice(body.sampling_params(len(ids), backend.max_model_len))
+        params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size)
+        choices = body.per_choice(params)
         reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
     return reqs, ResponseShape("text", rid, model_name, body.num_logprobs(), body.n)
 

@@ -19,14 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from kvmesh.cluster.api_error import ApiError, valid
 from kvmesh.cluster.unsupported_fields import (
-    PENALTY_RANGE,
     EmptyList,
     NoneChoice,
-    Penalty,
     Unsupported,
     is_empty,
     is_none_choice,
-    is_zero,
     only,
     unsupported_doc,
 )
@@ -75,6 +72,13 @@ _STOP_SCHEMA = WithJsonSchema(
     }
 )
 _LOGPROBS = _schema("integer", minimum=0, maximum=_SP.MAX_LOGPROBS)
+_PENALTY = _schema("number", minimum=-_SP.MAX_PENALTY, maximum=_SP.MAX_PENALTY)
+_LOGIT_BIAS_SCHEMA = _schema(
+    "object",
+    propertyNames={"pattern": "^[0-9]{1,10}$"},
+    additionalProperties={"type": "number", "minimum": -_SP.MAX_BIAS, "maximum": _SP.MAX_BIAS},
+    maxProperties=_SP.MAX_LOGIT_BIAS,
+)
 
 
 class StreamOptions(_Body):
@@ -105,11 +109,10 @@ class ChatMessage(_Body):
 class _GenerateBody(_Body):
     """Fields both endpoints share; ``None`` means "the default".
 
-    Of OpenAI's fields kvmesh does not implement (``UNSUPPORTED``), both endpoints take
-    ``presence_penalty`` and ``frequency_penalty`` only as 0 or null (a number in OpenAI's
-    [-2, 2] otherwise is a 400 saying kvmesh does not support it; outside it, a 400 for the
-    range) and ``logit_bias`` only as ``{}`` or null. ``stream_options`` needs ``stream:
-    true`` (OpenAI's 400 too). ``user`` is accepted and unused (it asks for nothing).
+    ``logit_bias`` maps token ids, as JSON's string keys, to biases; it and the penalties
+    (``repetition_penalty``: vLLM's extension) apply as ``workers/penalties.py`` says.
+    ``stream_options`` needs ``stream: true`` (OpenAI's 400 too). ``user`` is accepted and
+    unused (it asks for nothing).
     """
 
     # stream_options without stream: true is a 400 (check()); the schema says so too.
@@ -125,11 +128,7 @@ class _GenerateBody(_Body):
     PROMPT_FIELD: ClassVar[str]
     LOGPROBS_FIELD: ClassVar[str]
     # field -> what kvmesh accepts of an OpenAI field it does not implement
-    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
-        "presence_penalty": Unsupported("presence_penalty", "0", is_zero),
-        "frequency_penalty": Unsupported("frequency_penalty", "0", is_zero),
-        "logit_bias": Unsupported("logit_bias", "{}", is_empty),
-    }
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
 
     model: str | None = None
     max_tokens: Annotated[int | None, _schema("integer", minimum=1)] = Field(
@@ -155,10 +154,22 @@ class _GenerateBody(_Body):
     )
     ignore_eos: bool = Field(False, description="vLLM's extension: generate past EOS.")
     user: str | None = None  # accepted, unused
-    presence_penalty: Penalty = Field(None, description=unsupported_doc("0", PENALTY_RANGE))
-    frequency_penalty: Penalty = Field(None, description=unsupported_doc("0", PENALTY_RANGE))
-    logit_bias: Annotated[dict[str, float] | None, only({"type": "object", "maxProperties": 0})] = (
-        Field(None, description=unsupported_doc("{}"))
+    presence_penalty: Annotated[float | None, _PENALTY] = Field(
+        None, description="Subtracted from the logit of every token the output has used."
+    )
+    frequency_penalty: Annotated[float | None, _PENALTY] = Field(
+        None, description="Times the count of a token in the output, subtracted from its logit."
+    )
+    repetition_penalty: Annotated[
+        float | None,
+        _schema("number", exclusiveMinimum=0, maximum=_SP.MAX_REPETITION_PENALTY),
+    ] = Field(
+        None,
+        description="vLLM's extension: divides the positive logits (multiplies the negative "
+        "ones) of every token in the prompt or the output; 1 is off.",
+    )
+    logit_bias: Annotated[dict[str, float] | None, _LOGIT_BIAS_SCHEMA] = Field(
+        None, description="Token id (a string of digits) -> a bias added to its logit."
     )
 
     @property
@@ -198,12 +209,20 @@ class _GenerateBody(_Body):
             )
         self.num_logprobs()
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """Validated SamplingParams whose prompt + max_tokens fit the context."""
+    def sampling_params(
+        self, prompt_len: int, max_model_len: int, vocab_size: int
+    ) -> SamplingParams:
+        """Validated SamplingParams whose prompt + max_tokens fit the context and whose
+        logit_bias names tokens of the vocabulary."""
         kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "seed", "stop"):
+        for name in (
+            "temperature", "top_p", "seed", "stop",
+            "presence_penalty", "frequency_penalty", "repetition_penalty",
+        ):  # fmt: skip
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
+        if self.logit_bias is not None:
+            kw["logit_bias"] = _token_ids(self.logit_bias, vocab_size)
         if self.top_k is not None and self.top_k != -1:
             kw["top_k"] = self.top_k
         kw["logprobs"] = self.num_logprobs()
@@ -238,6 +257,24 @@ class _GenerateBody(_Body):
             return [params] * self.n
         lo, span = _SP.SEED_MIN, _SP.SEED_MAX - _SP.SEED_MIN + 1
         return [replace(params, seed=(params.seed + i - lo) % span + lo) for i in range(self.n)]
+
+
+def _token_ids(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """logit_bias's JSON keys as token ids (ApiError 400 for one that is not an id of the
+    vocabulary)."""
+    out: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
+            shown = key if len(key) <= 20 else f"{key[:17]}..."
+            raise ApiError(
+                400,
+                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {shown!r}",
+                param="logit_bias",
+            )
+        if int(key) in out:
+            raise ApiError(400, f"logit_bias: names token {int(key)} twice", param="logit_bias")
+        out[int(key)] = bias
+    return out
 
 
 class ChatCompletionRequest(_GenerateBody):

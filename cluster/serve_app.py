@@ -78,6 +78,10 @@ _SAMPLING_KEYS = (
     "stop",
     "ignore_eos",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
 )
 
 

@@ -1,8 +1,8 @@
-"""OpenAI request fields kvmesh does not implement (penalties, ``logit_bias``, JSON mode,
-tools, ``echo``, ...): accepted only at a value that asks for nothing, else a 400 naming the
-field, as vLLM answers, rather than an answer that silently is not what was asked for. Their
-JSON schema declares just the accepted values, so a client (or a fuzzer) that follows it is
-answered. The request models (``protocol.py``) declare the fields and list them."""
+"""OpenAI request fields kvmesh does not implement (JSON mode, tools, ``echo``, ...):
+accepted only at a value that asks for nothing, else a 400 naming the field, as vLLM answers,
+rather than an answer that silently is not what was asked for. Their JSON schema declares
+just the accepted values, so a client (or a fuzzer) that follows it is answered. The request
+models (``protocol.py``) declare the fields and list them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import Field, WithJsonSchema
+from pydantic import WithJsonSchema
 
 from kvmesh.cluster.api_error import ApiError
 
@@ -39,10 +39,6 @@ def only(*accepted: dict[str, Any]) -> WithJsonSchema:
     return WithJsonSchema({"anyOf": [*accepted, {"type": "null"}]})
 
 
-def is_zero(v: Any) -> bool:
-    return v is None or v == 0
-
-
 def is_empty(v: Any) -> bool:  # null, {} or []
     return not v
 
@@ -51,9 +47,6 @@ def is_none_choice(v: Any) -> bool:
     return v is None or v == "none"
 
 
-# OpenAI's range for both penalties; outside it the 400 is about the range.
-PENALTY_RANGE = " A number outside OpenAI's [-2, 2] is a 400 for the range."
-Penalty = Annotated[Annotated[float, Field(ge=-2, le=2)] | None, only({"const": 0})]
 EmptyList = Annotated[list[dict[str, Any]] | None, only({"type": "array", "maxItems": 0})]
 NoneChoice = Annotated[str | dict[str, Any] | None, only({"const": "none"})]
 

@@ -46,7 +46,8 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> No
 
 
 class Spy:
-    """The backend, counting generate/stream calls (bad input must never reach them).
+    """The backend, counting generate/stream calls (bad input must never reach them) and
+    keeping the last request (``last``).
 
     With ``fail``, each call raises ``fail()`` instead: ``generate`` at once, a stream after
     ``fail_after`` of the inner backend's chunks (0: from its first ``__anext__``, as an
@@ -59,6 +60,7 @@ class Spy:
         fail_after: int = 0,
     ) -> None:
         self.inner, self.calls = inner, 0
+        self.last: GenerateRequest | None = None
         self.fail, self.fail_after = fail, fail_after
 
     def __getattr__(self, name: str) -> Any:
@@ -66,12 +68,14 @@ class Spy:
 
     async def generate(self, request: GenerateRequest) -> Completion:
         self.calls += 1
+        self.last = request
         if self.fail is not None:
             raise self.fail()
         return await self.inner.generate(request)
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         self.calls += 1
+        self.last = request
         if self.fail is None:
             return self.inner.stream(request)
         return self._failing_stream(request, self.fail)

@@ -159,6 +159,7 @@ class Replay:
 
     def __init__(self) -> None:
         self.tokenizer = load_tokenizer(SMOLLM2)
+        self.vocab_size = len(self.tokenizer)
         self.ids: list[int] = self.tokenizer.encode(SCRIPT, add_special_tokens=False)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

@@ -295,7 +295,7 @@ def test_disconnect_aborts(
 class Broken:
     """A backend whose engine fails: generate raises; a stream fails after one chunk."""
 
-    model_name, max_model_len = MODEL, MAX_LEN
+    model_name, max_model_len, vocab_size = MODEL, MAX_LEN, 256
 
     def tokenize(self, prompt: Any) -> list[int]:
         return [1, 2, 3]

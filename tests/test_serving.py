@@ -163,6 +163,16 @@ def test_handle_speaks_openai_bodies(unified) -> None:
     with pytest.raises(ApiError) as bad:
         handle.completions.remote({**body, "n": 0}).result()
     assert bad.value.status == 400 and bad.value.body["error"]["param"] == "n"
+    # logit_bias and the penalties reach the engine actors (tests/test_penalties.py: what
+    # they do); a token past the vocabulary is the caller's 400.
+    forced = {**chat, "n": 1, "logit_bias": {"42": 100}, "presence_penalty": -1}
+    out = handle.chat.remote(forced).result()
+    text = out["choices"][0]["message"]["content"]
+    assert out["usage"]["completion_tokens"] == 8 and text and text == text[: len(text) // 8] * 8
+    assert client.chat.completions.create(**forced).choices[0].message.content == text
+    with pytest.raises(ApiError) as bad:
+        handle.chat.remote({**chat, "logit_bias": {"99999": 1}}).result()
+    assert bad.value.status == 400 and bad.value.body["error"]["param"] == "logit_bias"
     assert handle.ingress_stats.remote().result()["admitted"] == 0
     # The caller's errors are one INFO line each in the replica's log, not ERROR tracebacks.
     wait_for(lambda: "Refused with 400: n:" in replica_log("KvmeshServer"), 10, "the log line")

@@ -30,6 +30,7 @@ from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model import LlamaForCausalLM
 from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
+from kvmesh.workers.penalties import penalize
 from kvmesh.workers.request import Request
 from kvmesh.workers.sampler import sample
 from kvmesh.workers.sampling_params import SamplingParams
@@ -221,6 +222,9 @@ class LLMEngine:
                 f"prompt: {len(token_ids)} tokens is longer than the context "
                 f"({self.max_model_len} tokens, one kept for the answer)"
             )
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in the vocabulary, [0, {vocab})")
         resumed = self._check_resumed(resumed_token_ids, len(token_ids), params)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
@@ -322,9 +326,16 @@ class LLMEngine:
             return []
         logits = self.runner.run(batch, [self.kv.get_block_ids(s.request) for s in batch])
         sampling = [self._tracked[s.request.request_id] for s in batch if s.samples]
-        tokens = sample(
+        params = [t.params for t in sampling]
+        chosen_from = penalize(
             logits,
-            [t.params for t in sampling],
+            params,
+            [t.request.prompt_token_ids for t in sampling],
+            [t.request.output_token_ids for t in sampling],
+        )
+        tokens = sample(
+            chosen_from,
+            params,
             [t.seed for t in sampling],
             [len(t.request.output_token_ids) for t in sampling],
         )

@@ -14,10 +14,16 @@ values with the same message ("field: why, got value"). The caps, and why:
 - ``stop_token_ids``: at most 256 ids, each in [0, 2**31).
 - ``logprobs``: None or an integer in [0, 20] (OpenAI's ``top_logprobs`` range).
 - ``max_tokens``: an integer >= 1; the engine checks prompt + max_tokens against the context.
+- ``presence_penalty``, ``frequency_penalty``: finite numbers in [-2, 2] (OpenAI's range).
+- ``repetition_penalty``: a finite number in (0, 2] (1 is off; vLLM only asks for > 0, but
+  past 2 a model's every seen token is all but banned).
+- ``logit_bias``: at most 1,024 token ids, each in [0, 2**31), with biases in [-100, 100]
+  (OpenAI's range); the engine checks the ids against the vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -28,7 +34,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1.0`` disable those filters.
     ``seed`` makes one request's sampling reproducible whatever else is in its batch.
     ``stop`` strings are cut from the text; ``stop_token_ids`` end the request like EOS.
-    Out-of-range values raise ValueError naming the field (bounds: the module docstring).
+    ``logit_bias`` ({token id: bias}, or (id, bias) pairs) and the penalties change the
+    logits every token is chosen from (penalties.py says how). Out-of-range values raise
+    ValueError naming the field (bounds: the module docstring).
     """
 
     max_tokens: int = 16
@@ -40,6 +48,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # log-probabilities of each sampled token and the top N
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs; a {token id: bias} dict is taken too.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     MAX_TEMPERATURE = 2.0
     MIN_SAMPLING_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
@@ -51,6 +64,10 @@ class SamplingParams:
     MAX_STOP_TOKEN_IDS = 256
     MAX_TOKEN_ID = (1 << 31) - 1
     MAX_LOGPROBS = 20
+    MAX_PENALTY = 2.0  # presence and frequency: OpenAI's [-2, 2]
+    MAX_REPETITION_PENALTY = 2.0
+    MAX_LOGIT_BIAS = 1024
+    MAX_BIAS = 100.0
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) the way vLLM users write them.
@@ -60,6 +77,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None or isinstance(value, list | tuple):
                 object.__setattr__(self, name, tuple(value or ()))
+        if self.logit_bias is None or isinstance(self.logit_bias, dict):
+            bias = self.logit_bias or {}
+            object.__setattr__(self, "logit_bias", tuple(bias.items()))
+        elif isinstance(self.logit_bias, list | tuple):
+            pairs = (tuple(x) if isinstance(x, list) else x for x in self.logit_bias)
+            object.__setattr__(self, "logit_bias", tuple(pairs))
         self.validate()
         if 0 < self.temperature < self.MIN_SAMPLING_TEMPERATURE:
             object.__setattr__(self, "temperature", self.MIN_SAMPLING_TEMPERATURE)
@@ -105,10 +128,51 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be integers in [0, {self.MAX_TOKEN_ID}]")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be a boolean")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -self.MAX_PENALTY <= value <= self.MAX_PENALTY):
+                raise bad(name, f"must be a finite number in [-{self.MAX_PENALTY:g}, "
+                                f"{self.MAX_PENALTY:g}]")  # fmt: skip
+        if not (
+            _is_number(self.repetition_penalty)
+            and 0 < self.repetition_penalty <= self.MAX_REPETITION_PENALTY
+        ):
+            raise bad(
+                "repetition_penalty",
+                f"must be a finite number in (0, {self.MAX_REPETITION_PENALTY:g}] (1 is off)",
+            )
+        self._validate_logit_bias(bad)
+
+    def _validate_logit_bias(self, bad: Callable[[str, str], ValueError]) -> None:
+        pairs = self.logit_bias
+        if not (
+            isinstance(pairs, tuple)
+            and all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs)
+        ):
+            raise bad("logit_bias", "must be a {token id: bias} mapping or (id, bias) pairs")
+        if len(pairs) > self.MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"must map at most {self.MAX_LOGIT_BIAS} token ids to biases")
+        if not all(_is_int(t) and 0 <= t <= self.MAX_TOKEN_ID for t, _ in pairs):
+            raise bad("logit_bias", f"token ids must be integers in [0, {self.MAX_TOKEN_ID}]")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise bad("logit_bias", "names a token id twice")
+        if not all(_is_number(b) and -self.MAX_BIAS <= b <= self.MAX_BIAS for _, b in pairs):
+            raise bad("logit_bias", f"biases must be finite numbers in [-{self.MAX_BIAS:g}, "
+                                    f"{self.MAX_BIAS:g}]")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a logit bias or a penalty changes the logits (penalties.py)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _is_int(x: object) -> bool:
