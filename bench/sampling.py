@@ -2,7 +2,10 @@
 race it replaced (argmax p / Exp(1), a draw per vocabulary entry), side by side.
 
 One JSON line: for each batch size, milliseconds a step for both, over smollm2's vocabulary
-(49,152) at temperature 1, on this process's torch threads; with ``--engine`` also the engine's
+(49,152) at temperature 1, on this process's torch threads; what ``penalize`` adds when every
+row asks for every penalty and a logit bias (``penalties_ms_b*``: a 2,000-token prompt and 500
+output tokens a row) and when rows ask for only the presence penalty (``presence_ms_b*``);
+with ``--engine`` also the engine's
 decode throughput (tokens/s) at temperature 1 (the OpenAI API's default) with each sampler,
 ``--streams`` requests of 64 new tokens on smollm2.
 
@@ -19,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvmesh.workers.penalties import penalize
 from kvmesh.workers.sampler import position_seed, sample
 from kvmesh.workers.sampling_params import SamplingParams
 
@@ -89,6 +93,16 @@ def main() -> None:
         old = per_step_ms(exponential_race, (logits, seeds, positions), reps)
         result[f"inverse_cdf_ms_b{b}"] = round(new, 3)
         result[f"exponential_race_ms_b{b}"] = round(old, 3)
+        g = torch.Generator().manual_seed(b)
+        prompts = [torch.randint(args.vocab, (2000,), generator=g).tolist() for _ in range(b)]
+        outputs = [torch.randint(args.vocab, (500,), generator=g).tolist() for _ in range(b)]
+        every = SamplingParams(
+            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+            logit_bias={i: 1.0 for i in range(8)},
+        )  # fmt: skip
+        for name, q in (("penalties", every), ("presence", SamplingParams(presence_penalty=1))):
+            ms = per_step_ms(penalize, (logits, [q] * b, prompts, outputs), reps)
+            result[f"{name}_ms_b{b}"] = round(ms, 3)
     if args.engine:
         for n in (int(x) for x in args.streams.split(",")):
             engine_tokens_per_s(n, sample)  # warm-up: the first batch pays for allocations

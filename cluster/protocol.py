@@ -142,6 +142,9 @@ class _GenerateBody(_Body):
     top_k: Annotated[int | None, _schema("integer", minimum=-1, maximum=_SP.MAX_TOP_K)] = Field(
         None, description="vLLM's extension: -1 or null for off, else at least 1 (0 is refused)."
     )
+    min_p: Annotated[float | None, _schema("number", minimum=0, maximum=1)] = Field(
+        None, description="vLLM's extension: drop tokens less likely than min_p times the top one."
+    )
     seed: Annotated[int | None, _schema("integer", minimum=_SP.SEED_MIN, maximum=_SP.SEED_MAX)] = (
         None
     )
@@ -216,7 +219,7 @@ class _GenerateBody(_Body):
         logit_bias names tokens of the vocabulary."""
         kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
         for name in (
-            "temperature", "top_p", "seed", "stop",
+            "temperature", "top_p", "min_p", "seed", "stop",
             "presence_penalty", "frequency_penalty", "repetition_penalty",
         ):  # fmt: skip
             if getattr(self, name) is not None:

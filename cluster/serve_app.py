@@ -74,6 +74,7 @@ _SAMPLING_KEYS = (
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "ignore_eos",

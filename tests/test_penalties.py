@@ -79,9 +79,7 @@ def llm() -> LLM:
     return LLM("tiny-random", block_size=4, num_kv_blocks=96, progress=False)
 
 
-def hf_greedy_penalized(
-    hf: HFReference, prompt: list[int], params: SamplingParams
-) -> list[int]:
+def hf_greedy_penalized(hf: HFReference, prompt: list[int], params: SamplingParams) -> list[int]:
     out: list[int] = []
     for _ in range(params.max_tokens):
         logits = hf_penalized(hf.logits(prompt + out), params, prompt, out)
@@ -177,13 +175,15 @@ def test_the_api_applies_logit_bias_and_penalties(server: tuple[int, Spy], clien
     assert reply.choices[0].text == spy.decode([42] * 4)
     # the params that reached the backend
     path, body = complete(max_tokens=1, presence_penalty=1.5, frequency_penalty=-1,
-                          repetition_penalty=1.25, logit_bias={"7": -3, "9": 2.5})  # fmt: skip
+                          repetition_penalty=1.25, logit_bias={"7": -3, "9": 2.5},
+                          min_p=0.05)  # fmt: skip
     status, _ = call(port, "POST", path, body)
     assert status == 200
     params = spy.last.params
     assert (params.presence_penalty, params.frequency_penalty) == (1.5, -1)
     assert params.repetition_penalty == 1.25
     assert dict(params.logit_bias) == {7: -3, 9: 2.5}
+    assert params.min_p == 0.05  # vLLM's min_p (test_sampler.py: what it does)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +193,8 @@ def test_the_api_applies_logit_bias_and_penalties(server: tuple[int, Spy], clien
         ({"frequency_penalty": -100}, "frequency_penalty"),
         ({"frequency_penalty": "0"}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
         ({"logit_bias": [1]}, "logit_bias"),
         ({"logit_bias": {"50": "x"}}, "logit_bias"),
         ({"logit_bias": {"50": 101}}, "logit_bias"),

@@ -1,5 +1,5 @@
 """The sampler draws from the distribution it is given: frequencies against the softmax,
-top-k / top-p masks, and the cumulative distribution's edges."""
+min-p / top-k / top-p masks, and the cumulative distribution's edges."""
 
 from __future__ import annotations
 
@@ -39,6 +39,25 @@ def test_top_k_and_top_p_draw_only_what_they_keep() -> None:
     # The two best hold 0.56 + 0.21 of the mass: top_p 0.7 keeps exactly them.
     freq = frequencies(SamplingParams(temperature=1.0, top_p=0.7))
     assert freq[2:].sum() == 0 and freq[1] > 0
+
+
+def test_min_p_draws_only_what_it_keeps() -> None:
+    # p = softmax(LOGITS) = 0.56, 0.21, 0.12, 0.08, 0.03, 0.004: min_p 0.2 keeps those at
+    # least 0.2 * 0.56 = 0.11 (the first three), in proportion; with temperature 2 (applied
+    # first, as vLLM does) the distribution flattens and it keeps five.
+    freq = frequencies(SamplingParams(temperature=1.0, min_p=0.2))
+    assert freq[3:].sum() == 0
+    kept = torch.cat([LOGITS[:3].double().softmax(-1), torch.zeros(3, dtype=torch.float64)])
+    assert chi_square(freq, kept) < 40
+    freq = frequencies(SamplingParams(temperature=2.0, min_p=0.2))
+    assert freq[5] == 0 and bool((freq[:5] > 0).all())
+    # With top_k on top, both masks hold.
+    freq = frequencies(SamplingParams(temperature=1.0, min_p=0.2, top_k=2))
+    assert freq[2:].sum() == 0 and freq[1] > 0
+    # min_p 1 keeps only the likeliest; 0 keeps all (the unfiltered softmax).
+    assert frequencies(SamplingParams(temperature=1.0, min_p=1.0))[0] == 1
+    probs = LOGITS.double().softmax(-1)
+    assert chi_square(frequencies(SamplingParams(temperature=1.0, min_p=0.0)), probs) < 40
 
 
 def test_the_cdf_edges_pick_tokens_with_mass() -> None:

@@ -1,4 +1,4 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with randomness keyed by position.
+"""Batched sampling: greedy, temperature, min-p, top-k, top-p, with randomness keyed by position.
 
 The random draw for a request's output token number ``i`` (``i`` output tokens before it) comes
 from a generator seeded with ``position_seed(seed, i)``: a function of the request's seed and
@@ -34,11 +34,12 @@ def sample(
 ) -> list[int]:
     """One token per row of ``logits`` [B, V] (float32).
 
-    Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
-    top-p, and sampled by inverting their cumulative distribution at one uniform draw. Row
-    ``r``'s draw comes from a fresh generator seeded with ``position_seed(seeds[r],
-    positions[r])`` (``positions[r]``: the row's count of output tokens so far), so a seeded
-    request draws the same token at the same position in any batch, on any worker.
+    Greedy rows take the argmax. Other rows are scaled by temperature, filtered by min-p, then
+    top-k and top-p (vLLM's order), and sampled by inverting their cumulative distribution at
+    one uniform draw. Row ``r``'s draw comes from a fresh generator seeded with
+    ``position_seed(seeds[r], positions[r])`` (``positions[r]``: the row's count of output
+    tokens so far), so a seeded request draws the same token at the same position in any
+    batch, on any worker.
     """
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -47,6 +48,7 @@ def sample(
         sub = logits if len(rows) == len(params) else logits.index_select(0, idx)
         temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
         sub = sub / temps.unsqueeze(1)
+        sub = _min_p(sub, [params[i].min_p for i in rows])
         sub = _top_k_top_p(
             sub,
             [params[i].top_k for i in rows],
@@ -88,6 +90,17 @@ def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # NaN logits (a model that overflowed) sort past every entry: still answer a real token.
     return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+def _min_p(logits: torch.Tensor, min_ps: Sequence[float]) -> torch.Tensor:
+    """Mask (to -inf) the tokens less likely than min_p times the likeliest one (vLLM's
+    min_p). In logits, with no softmax: p_t < min_p * p_max exactly when
+    l_t < l_max + log(min_p); a min_p of 0 (log -inf) keeps every token."""
+    if not any(min_ps):
+        return logits
+    log_min_p = torch.tensor(min_ps, dtype=logits.dtype, device=logits.device).log()
+    threshold = logits.max(dim=-1, keepdim=True).values + log_min_p.unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _top_k_top_p(

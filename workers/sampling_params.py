@@ -7,6 +7,8 @@ values with the same message ("field: why, got value"). The caps, and why:
   below 0.01 samples at 0.01, as vLLM does (smaller ones overflow the scaled logits).
 - ``top_p``: a finite number in (0, 1]; below 1e-6 it acts as 1e-6 (the likeliest token),
   since a float32 that rounds to 0 would keep no token at all.
+- ``min_p``: a finite number in [0, 1] (0 is off): tokens less likely than min_p times the
+  likeliest one are not drawn (vLLM's; greedy is unaffected).
 - ``top_k``: None (off) or an integer in [1, 2**20]; a top_k at or above the vocabulary size
   keeps every token. 2**20 is above any vocabulary in use.
 - ``seed``: None or a 64-bit signed integer (vLLM's range; what ``torch.Generator`` takes).
@@ -43,6 +45,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -102,6 +105,8 @@ class SamplingParams:
             raise bad("temperature", f"must be a finite number in [0, {self.MAX_TEMPERATURE:g}]")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise bad("top_p", "must be a finite number in (0, 1]")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise bad("min_p", "must be a finite number in [0, 1]")
         if self.top_k is not None and not (
             _is_int(self.top_k) and 1 <= self.top_k <= self.MAX_TOP_K
         ):
