@@ -134,6 +134,11 @@ class _GenerateBody(_Body):
     max_tokens: Annotated[int | None, _schema("integer", minimum=1)] = Field(
         None, description="At most the context minus the prompt's tokens."
     )
+    min_tokens: Annotated[int | None, _schema("integer", minimum=0)] = Field(
+        None,
+        description="vLLM's extension: until this many tokens, no EOS, stop token or stop "
+        "string ends the answer; at most max_tokens.",
+    )
     temperature: Annotated[
         float | None, _schema("number", minimum=0, maximum=_SP.MAX_TEMPERATURE)
     ] = None
@@ -219,7 +224,7 @@ class _GenerateBody(_Body):
         logit_bias names tokens of the vocabulary."""
         kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
         for name in (
-            "temperature", "top_p", "min_p", "seed", "stop",
+            "temperature", "top_p", "min_p", "seed", "stop", "min_tokens",
             "presence_penalty", "frequency_penalty", "repetition_penalty",
         ):  # fmt: skip
             if getattr(self, name) is not None:
@@ -231,7 +236,7 @@ class _GenerateBody(_Body):
         kw["logprobs"] = self.num_logprobs()
         asked, field = self.requested_max_tokens, self.max_tokens_field
         # Sampling fields before lengths; a placeholder max_tokens until the length is known.
-        first = asked if asked is not None else 1
+        first = asked if asked is not None else max(1, self.min_tokens or 0)
         rename = {"max_tokens": field, "logprobs": self.LOGPROBS_FIELD}
         params = valid(lambda: SamplingParams(max_tokens=first, **kw), rename)
         if prompt_len >= max_model_len:
@@ -242,7 +247,8 @@ class _GenerateBody(_Body):
                 param=self.PROMPT_FIELD,
             )
         if asked is None:
-            return replace(params, max_tokens=self.default_max_tokens(max_model_len - prompt_len))
+            default = self.default_max_tokens(max_model_len - prompt_len)
+            return valid(lambda: replace(params, max_tokens=default), rename)
         if prompt_len + asked > max_model_len:
             raise ApiError(
                 400,

@@ -71,6 +71,7 @@ INGRESS_STOP_MARGIN_S = APP_WATCH_S + 4.0
 LOOK_BACK_S = 15.0  # Serve wants more than its 10-s metrics push interval
 _SAMPLING_KEYS = (
     "max_tokens",
+    "min_tokens",
     "temperature",
     "top_p",
     "top_k",

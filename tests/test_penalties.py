@@ -1,6 +1,7 @@
-"""logit_bias and the presence, frequency and repetition penalties (workers/penalties.py): the
-formulas against transformers' own repetition processor and against their definitions, and
-the engine's greedy tokens against HF transformers choosing from the same penalized logits."""
+"""logit_bias, min_tokens and the presence, frequency and repetition penalties
+(workers/penalties.py): the formulas against transformers' own repetition processor and
+against their definitions, the engine's greedy tokens against HF transformers choosing from
+the same penalized logits, and min_tokens' hold on stop strings (workers/detokenizer.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.penalties import penalize
 from tests.api_helpers import assert_bad, chat, complete
 from tests.conftest import HFReference
 from tests.openai_helpers import MODEL, USER, Spy, call
+from tests.test_resume import check_resume
 
 VOCAB = 300
 
@@ -26,6 +29,8 @@ def hf_penalized(
     """The logits a request chooses from, written from the definitions (transformers'
     processor for the repetition penalty)."""
     x = logits.clone()
+    if len(output) < params.min_tokens:  # (these tests set ignore_eos: stop tokens only)
+        x[list(params.stop_token_ids)] = float("-inf")
     for token, bias in params.logit_bias:
         x[token] += bias
     if params.repetition_penalty != 1.0:
@@ -72,6 +77,19 @@ def test_repetition_penalty_is_exactly_transformers() -> None:
     got = penalize(logits, [SamplingParams(repetition_penalty=1.7)], [seen[:2]], [seen[2:]])
     want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([seen]), logits.clone())
     assert torch.equal(got, want)
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached() -> None:
+    logits = torch.zeros(1, VOCAB)
+    p = SamplingParams(min_tokens=3, stop_token_ids=[4, VOCAB + 5])  # an id past V is skipped
+
+    def banned(params: SamplingParams, output: list[int]) -> list[int]:
+        out = penalize(logits, [params], [[1]], [output], eos_token_ids={7})
+        return torch.isinf(out[0]).nonzero().squeeze(1).tolist()
+
+    assert banned(p, [1, 2]) == [4, 7]
+    assert banned(p, [1, 2, 3]) == []
+    assert banned(SamplingParams(min_tokens=3, stop_token_ids=[4], ignore_eos=True), []) == [4]
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +152,64 @@ def test_a_resumed_request_is_penalized_for_its_resumed_tokens(llm: LLM) -> None
     assert whole[:5] + rest == whole
 
 
+def test_min_tokens_holds_off_stop_tokens(llm: LLM, tiny_hf: HFReference) -> None:
+    prompt = [5, 6, 7, 8, 9]
+    stop = tiny_hf.greedy(prompt, 1)[0][0]  # the greedy answer's first token stops it at once
+    base = dict(max_tokens=12, temperature=0, stop_token_ids=[stop], ignore_eos=True)
+    assert llm.generate([prompt], SamplingParams(**base))[0].token_ids == [stop]
+    params = SamplingParams(**base, min_tokens=4)
+    out = llm.generate([prompt], params)[0]
+    want = hf_greedy_penalized(tiny_hf, prompt, params)
+    if stop in want[4:]:
+        want = want[: want.index(stop, 4) + 1]
+    assert out.token_ids == want and len(want) >= 4 and stop not in want[:4]
+
+
+class Chars:
+    """A tokenizer whose token i is the character chr(i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+def stream_text(text: str, stop: tuple[str, ...], min_tokens: int) -> tuple[str, int, str | None]:
+    """(what a stream of ``text``'s characters as tokens releases, tokens taken, stop)."""
+    d, ids, pieces = Detokenizer(Chars(), stop, min_tokens), [ord(c) for c in text], []
+    for k in range(1, len(ids) + 1):
+        pieces.append(d.update(ids[:k], final=k == len(ids)))
+        if d.stopped_by is not None:
+            pieces.append(d.update(ids[:k], final=True))
+            break
+    assert "".join(pieces) == d.text
+    return d.text, k, d.stopped_by
+
+
+def test_no_stop_string_counts_before_min_tokens() -> None:
+    text = "abSTOPcSTOPd"
+    assert stream_text(text, ("STOP",), 0) == ("ab", 6, "STOP")
+    assert stream_text(text, ("STOP",), 6) == ("ab", 6, "STOP")  # completed by token 6
+    assert stream_text(text, ("STOP",), 7) == ("abSTOPc", 11, "STOP")  # the first never counts
+    assert stream_text(text, ("STOP",), 12) == (text, 12, None)
+    # A resumed request's detokenizer replays to the state streaming left, min_tokens included.
+    ids = [ord(c) for c in text]
+    for k in range(1, len(ids) + 1):
+        streamed, replayed = Detokenizer(Chars(), ("STOP",), 7), Detokenizer(Chars(), ("STOP",), 7)
+        for n in range(1, k + 1):
+            streamed.update(ids[:n])
+        replayed.replay(ids[:k], window=3)
+        state = (replayed.text, replayed.emitted, replayed.stopped_by)
+        assert state == (streamed.text, streamed.emitted, streamed.stopped_by), k
+
+
+def test_a_resumed_request_keeps_min_tokens_and_penalties() -> None:
+    # Cut at 1, n / 2 and n - 1 tokens: the rest streams as the unbroken run did, text too.
+    params = SamplingParams(
+        max_tokens=14, temperature=0.8, seed=7, min_tokens=6, stop=["e", "a", " "],
+        presence_penalty=1.0, ignore_eos=True,
+    )  # fmt: skip
+    check_resume("The", params)
+
+
 @pytest.mark.parametrize(
     ("kw", "field"),
     [
@@ -145,6 +221,9 @@ def test_a_resumed_request_is_penalized_for_its_resumed_tokens(llm: LLM) -> None
         (dict(logit_bias={-1: 1}), "logit_bias"),
         (dict(logit_bias=[(1, 1), (1, 2)]), "logit_bias"),
         (dict(logit_bias="x"), "logit_bias"),
+        (dict(min_tokens=17), "min_tokens"),  # above max_tokens (16)
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=1.5), "min_tokens"),
     ],
 )
 def test_bad_values_are_named(kw: dict, field: str) -> None:
@@ -176,7 +255,7 @@ def test_the_api_applies_logit_bias_and_penalties(server: tuple[int, Spy], clien
     # the params that reached the backend
     path, body = complete(max_tokens=1, presence_penalty=1.5, frequency_penalty=-1,
                           repetition_penalty=1.25, logit_bias={"7": -3, "9": 2.5},
-                          min_p=0.05)  # fmt: skip
+                          min_p=0.05, min_tokens=1)  # fmt: skip
     status, _ = call(port, "POST", path, body)
     assert status == 200
     params = spy.last.params
@@ -184,6 +263,10 @@ def test_the_api_applies_logit_bias_and_penalties(server: tuple[int, Spy], clien
     assert params.repetition_penalty == 1.25
     assert dict(params.logit_bias) == {7: -3, 9: 2.5}
     assert params.min_p == 0.05  # vLLM's min_p (test_sampler.py: what it does)
+    assert params.min_tokens == 1
+    # Over completions' default max_tokens (16), where chat's default fills the context.
+    assert_bad(*call(port, "POST", *complete(min_tokens=20)), "min_tokens")
+    assert call(port, "POST", *chat(min_tokens=20))[0] == 200
 
 
 @pytest.mark.parametrize(
@@ -194,6 +277,9 @@ def test_the_api_applies_logit_bias_and_penalties(server: tuple[int, Spy], clien
         ({"frequency_penalty": "0"}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"min_tokens": 10**6}, "min_tokens"),  # over the default max_tokens
+        ({"min_tokens": -1}, "min_tokens"),
         ({"min_p": -0.1}, "min_p"),
         ({"logit_bias": [1]}, "logit_bias"),
         ({"logit_bias": {"50": "x"}}, "logit_bias"),

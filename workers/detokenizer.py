@@ -3,7 +3,9 @@
 Text is decoded from all output tokens each time (short outputs; this keeps multi-byte
 characters and tokenizer merges right), and a delta is released only when it is final: an
 incomplete UTF-8 character, or a tail that could still grow into a stop string, is held back.
-So the concatenated stream always equals the final text.
+So the concatenated stream always equals the final text. Before ``min_tokens`` output tokens
+no stop string counts (vLLM's ``min_tokens``): none is searched for, and once they count, only
+one that ends in text not yet emitted stops the request.
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ REPLAY_WINDOW = 64
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
         self.text = ""  # the text so far, cut at a stop string once one is found
         self.emitted = 0  # characters of ``text`` already handed out
         self.stopped_by: str | None = None
 
     def update(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Decode ``token_ids`` (all output tokens so far); return the new, settled text."""
+        may_stop = len(token_ids) >= self.min_tokens
         if self.stopped_by is None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            # Emitted text holds no stop string, so search only where one could newly appear.
-            found = [(text.find(s, max(0, self.emitted - len(s))), s) for s in self.stop]
+            # Search only where a stop string could newly appear: ending past what was emitted
+            # (emitted text holds none, or holds one from before min_tokens, which never counts).
+            stops = self.stop if may_stop else ()
+            found = [(text.find(s, max(0, self.emitted - len(s) + 1)), s) for s in stops]
             found = [(at, s) for at, s in found if at != -1]
             if found:
                 at, self.stopped_by = min(found)
@@ -40,6 +46,7 @@ class Detokenizer:
         if not final and self.stopped_by is None:
             if self.text.endswith("\ufffd"):
                 end -= 1
+            # Held back before min_tokens too: a stop string begun then may end after it.
             end -= self._stop_prefix_len(self.text[:end])
         delta = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
@@ -58,6 +65,8 @@ class Detokenizer:
         """
         head = max(0, len(token_ids) - window)
         if head:
+            if 0 < self.min_tokens - 1 < head:  # a stop string ended by then never counts
+                self.update(token_ids[: self.min_tokens - 1])
             self.update(token_ids[:head])
         for n in range(head + 1, len(token_ids) + 1):
             self.update(token_ids[:n])

@@ -235,7 +235,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise ValueError(f"request_id: {rid!r} is already running")
-        detokenizer = Detokenizer(self.tokenizer, params.stop)
+        detokenizer = Detokenizer(self.tokenizer, params.stop, params.min_tokens)
         # The client already has the resumed tokens' text: only the state that streaming
         # them left is needed, so the next delta holds back (or releases) what it would have.
         detokenizer.replay(resumed)
@@ -332,6 +332,7 @@ class LLMEngine:
             params,
             [t.request.prompt_token_ids for t in sampling],
             [t.request.output_token_ids for t in sampling],
+            self.eos_token_ids,
         )
         tokens = sample(
             chosen_from,

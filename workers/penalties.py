@@ -1,7 +1,11 @@
-"""``logit_bias`` and the penalties: the logits a request chooses its next token from, given
-what it has said so far.
+"""``logit_bias``, ``min_tokens`` and the penalties: the logits a request chooses its next
+token from, given what it has said so far.
 
 Applied as vLLM applies them (its sampler), in this order, to a step's raw logits:
+
+- ``min_tokens``: until the output has that many tokens, EOS (unless ``ignore_eos``) and the
+  ``stop_token_ids`` get -inf, so they are never chosen (the detokenizer lets no stop string
+  count until then either);
 
 - ``logit_bias`` (OpenAI): ``logits[t] += bias`` for each token id it names;
 - ``repetition_penalty`` r (vLLM's extra; CTRL's, as transformers'
@@ -19,7 +23,7 @@ reports them by default.
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -31,6 +35,7 @@ def penalize(
     params: Sequence[SamplingParams],
     prompts: Sequence[Sequence[int]],
     outputs: Sequence[Sequence[int]],
+    eos_token_ids: Collection[int] = (),
 ) -> torch.Tensor:
     """``logits`` [B, V] with each row's ``logit_bias`` and penalties applied: the same tensor
     when no row has any, else a new one (the raw logits stay as they were, for logprobs).
@@ -49,6 +54,15 @@ def penalize(
     def flat(token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.cat([_ids(ts, device) + r * vocab for r, ts in enumerate(token_lists)])
 
+    banned = [
+        r * vocab + t
+        for r, p in enumerate(params)
+        if len(outputs[r]) < p.min_tokens
+        for t in {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
+        if t < vocab
+    ]
+    if banned:
+        flat_x[_ids(banned, device)] = float("-inf")
     biased = [(r * vocab + t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
     if biased:
         at, bias = zip(*biased, strict=True)

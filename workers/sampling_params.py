@@ -16,6 +16,8 @@ values with the same message ("field: why, got value"). The caps, and why:
 - ``stop_token_ids``: at most 256 ids, each in [0, 2**31).
 - ``logprobs``: None or an integer in [0, 20] (OpenAI's ``top_logprobs`` range).
 - ``max_tokens``: an integer >= 1; the engine checks prompt + max_tokens against the context.
+- ``min_tokens``: an integer in [0, max_tokens]: until that many tokens, EOS and
+  ``stop_token_ids`` are never chosen and no stop string counts (vLLM's).
 - ``presence_penalty``, ``frequency_penalty``: finite numbers in [-2, 2] (OpenAI's range).
 - ``repetition_penalty``: a finite number in (0, 2] (1 is off; vLLM only asks for > 0, but
   past 2 a model's every seen token is all but banned).
@@ -42,6 +44,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
@@ -100,6 +103,8 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer")
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be at least 1")
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens {self.max_tokens}]")
         # Comparisons, not math.isfinite: they also refuse NaN and ints too large for a float.
         if not (_is_number(self.temperature) and 0 <= self.temperature <= self.MAX_TEMPERATURE):
             raise bad("temperature", f"must be a finite number in [0, {self.MAX_TEMPERATURE:g}]")
@@ -171,9 +176,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a logit bias or a penalty changes the logits (penalties.py)."""
+        """Whether a logit bias, a penalty or ``min_tokens`` changes the logits
+        (penalties.py)."""
         return bool(
             self.logit_bias
+            or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
