@@ -6,7 +6,6 @@ Applied as vLLM applies them (its sampler), in this order, to a step's raw logit
 - ``min_tokens``: until the output has that many tokens, EOS (unless ``ignore_eos``) and the
   ``stop_token_ids`` get -inf, so they are never chosen (the detokenizer lets no stop string
   count until then either);
-
 - ``logit_bias`` (OpenAI): ``logits[t] += bias`` for each token id it names;
 - ``repetition_penalty`` r (vLLM's extra; CTRL's, as transformers'
   ``RepetitionPenaltyLogitsProcessor``): the logit of every token in the prompt or the output
@@ -37,8 +36,9 @@ def penalize(
     outputs: Sequence[Sequence[int]],
     eos_token_ids: Collection[int] = (),
 ) -> torch.Tensor:
-    """``logits`` [B, V] with each row's ``logit_bias`` and penalties applied: the same tensor
-    when no row has any, else a new one (the raw logits stay as they were, for logprobs).
+    """``logits`` [B, V] with each row's ``min_tokens``, ``logit_bias`` and penalties applied
+    (``eos_token_ids``: the model's EOS tokens): the same tensor when no row has any, else a
+    new one (the raw logits stay as they were, for logprobs).
     Row ``r`` has said ``prompts[r]`` and then ``outputs[r]``. All rows go together (a row
     without any has a penalty of 0, or 1 for repetition: no bit changes), and only the
     logits of the tokens concerned are read and written."""
