@@ -6,7 +6,7 @@ those it defines but kvmesh does not implement are refused unless they ask for n
 (``unsupported_fields.py``). Ranges of the sampling fields (max_tokens >= 1, 0 < top_p <= 1,
 ...) are checked by ``SamplingParams`` alone, so the Python API and HTTP give the same
 messages; the models only *document* them in their JSON schema (OpenAPI), from the same
-constants. Errors: ``api_error.py``; responses: ``response_shape.py``.
+constants (``field_schemas.py``). Errors: ``api_error.py``; responses: ``response_shape.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,16 @@ from abc import abstractmethod
 from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.cluster.api_error import ApiError, valid
+from kvmesh.cluster.field_schemas import (
+    LOGIT_BIAS_SCHEMA,
+    LOGPROBS_SCHEMA,
+    PENALTY_SCHEMA,
+    STOP_SCHEMA,
+    schema,
+)
 from kvmesh.cluster.unsupported_fields import (
     EmptyList,
     NoneChoice,
@@ -53,32 +60,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-def _schema(type_: str, nullable: bool = True, **keywords: Any) -> WithJsonSchema:
-    """The JSON schema of a field, with the bounds SamplingParams enforces (documentation
-    only: it changes what OpenAPI says, not what parses)."""
-    schema = {"type": type_, **keywords}
-    return WithJsonSchema({"anyOf": [schema, {"type": "null"}]} if nullable else schema)
-
-
 _SP = SamplingParams
-_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": _SP.MAX_STOP_LEN}
-_STOP_SCHEMA = WithJsonSchema(
-    {
-        "anyOf": [
-            _STOP_STRING,
-            {"type": "array", "items": _STOP_STRING, "maxItems": _SP.MAX_STOP},
-            {"type": "null"},
-        ]
-    }
-)
-_LOGPROBS = _schema("integer", minimum=0, maximum=_SP.MAX_LOGPROBS)
-_PENALTY = _schema("number", minimum=-_SP.MAX_PENALTY, maximum=_SP.MAX_PENALTY)
-_LOGIT_BIAS_SCHEMA = _schema(
-    "object",
-    propertyNames={"pattern": "^[0-9]{1,10}$"},
-    additionalProperties={"type": "number", "minimum": -_SP.MAX_BIAS, "maximum": _SP.MAX_BIAS},
-    maxProperties=_SP.MAX_LOGIT_BIAS,
-)
 
 
 class StreamOptions(_Body):
@@ -131,52 +113,52 @@ class _GenerateBody(_Body):
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
 
     model: str | None = None
-    max_tokens: Annotated[int | None, _schema("integer", minimum=1)] = Field(
+    max_tokens: Annotated[int | None, schema("integer", minimum=1)] = Field(
         None, description="At most the context minus the prompt's tokens."
     )
-    min_tokens: Annotated[int | None, _schema("integer", minimum=0)] = Field(
+    min_tokens: Annotated[int | None, schema("integer", minimum=0)] = Field(
         None,
         description="vLLM's extension: until this many tokens, no EOS, stop token or stop "
         "string ends the answer; at most max_tokens.",
     )
     temperature: Annotated[
-        float | None, _schema("number", minimum=0, maximum=_SP.MAX_TEMPERATURE)
+        float | None, schema("number", minimum=0, maximum=_SP.MAX_TEMPERATURE)
     ] = None
-    top_p: Annotated[float | None, _schema("number", exclusiveMinimum=0, maximum=1)] = None
+    top_p: Annotated[float | None, schema("number", exclusiveMinimum=0, maximum=1)] = None
     # extension (vLLM); -1 means off, as there
-    top_k: Annotated[int | None, _schema("integer", minimum=-1, maximum=_SP.MAX_TOP_K)] = Field(
+    top_k: Annotated[int | None, schema("integer", minimum=-1, maximum=_SP.MAX_TOP_K)] = Field(
         None, description="vLLM's extension: -1 or null for off, else at least 1 (0 is refused)."
     )
-    min_p: Annotated[float | None, _schema("number", minimum=0, maximum=1)] = Field(
+    min_p: Annotated[float | None, schema("number", minimum=0, maximum=1)] = Field(
         None, description="vLLM's extension: drop tokens less likely than min_p times the top one."
     )
-    seed: Annotated[int | None, _schema("integer", minimum=_SP.SEED_MIN, maximum=_SP.SEED_MAX)] = (
+    seed: Annotated[int | None, schema("integer", minimum=_SP.SEED_MIN, maximum=_SP.SEED_MAX)] = (
         None
     )
-    stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
+    stop: Annotated[str | list[str] | None, STOP_SCHEMA] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, _schema("integer", nullable=False, minimum=1, maximum=MAX_CHOICES)] = Field(
+    n: Annotated[int, schema("integer", nullable=False, minimum=1, maximum=MAX_CHOICES)] = Field(
         1,
         description="Choices per prompt; with a seed, choice i samples with seed + i.",
     )
     ignore_eos: bool = Field(False, description="vLLM's extension: generate past EOS.")
     user: str | None = None  # accepted, unused
-    presence_penalty: Annotated[float | None, _PENALTY] = Field(
+    presence_penalty: Annotated[float | None, PENALTY_SCHEMA] = Field(
         None, description="Subtracted from the logit of every token the output has used."
     )
-    frequency_penalty: Annotated[float | None, _PENALTY] = Field(
+    frequency_penalty: Annotated[float | None, PENALTY_SCHEMA] = Field(
         None, description="Times the count of a token in the output, subtracted from its logit."
     )
     repetition_penalty: Annotated[
         float | None,
-        _schema("number", exclusiveMinimum=0, maximum=_SP.MAX_REPETITION_PENALTY),
+        schema("number", exclusiveMinimum=0, maximum=_SP.MAX_REPETITION_PENALTY),
     ] = Field(
         None,
         description="vLLM's extension: divides the positive logits (multiplies the negative "
         "ones) of every token in the prompt or the output; 1 is off.",
     )
-    logit_bias: Annotated[dict[str, float] | None, _LOGIT_BIAS_SCHEMA] = Field(
+    logit_bias: Annotated[dict[str, float] | None, LOGIT_BIAS_SCHEMA] = Field(
         None, description="Token id (a string of digits) -> a bias added to its logit."
     )
 
@@ -313,9 +295,9 @@ class ChatCompletionRequest(_GenerateBody):
     }
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's newer name; wins over max_tokens
-    max_completion_tokens: Annotated[int | None, _schema("integer", minimum=1)] = None
+    max_completion_tokens: Annotated[int | None, schema("integer", minimum=1)] = None
     logprobs: bool = False
-    top_logprobs: Annotated[int | None, _LOGPROBS] = Field(
+    top_logprobs: Annotated[int | None, LOGPROBS_SCHEMA] = Field(
         None, description="Needs logprobs: true."
     )
     response_format: Annotated[
@@ -377,7 +359,7 @@ class CompletionRequest(_GenerateBody):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description=f"Text or token ids, or a batch of either: prompts x n at most {MAX_CHOICES}."
     )
-    logprobs: Annotated[int | None, _LOGPROBS] = None
+    logprobs: Annotated[int | None, LOGPROBS_SCHEMA] = None
     echo: Annotated[bool | None, only({"const": False})] = Field(
         None, description=unsupported_doc("false")
     )

@@ -32,6 +32,7 @@ from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.penalties import penalize
 from kvmesh.workers.request import Request
+from kvmesh.workers.request_checks import check_request
 from kvmesh.workers.sampler import sample
 from kvmesh.workers.sampling_params import SamplingParams
 from kvmesh.workers.scheduler import Scheduler, SchedulerConfig
@@ -217,20 +218,14 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
         text = prompt if isinstance(prompt, str) else None
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens is longer than the context "
-                f"({self.max_model_len} tokens, one kept for the answer)"
-            )
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias: token ids must be in the vocabulary, [0, {vocab})")
-        resumed = self._check_resumed(resumed_token_ids, len(token_ids), params)
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: the prompt's {len(token_ids)} tokens plus max_tokens "
-                f"{params.max_tokens} exceed the context of {self.max_model_len} tokens"
-            )
+        resumed = check_request(
+            len(token_ids),
+            params,
+            resumed_token_ids,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
         self.kv.check_fits(len(token_ids) + params.max_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
@@ -257,36 +252,6 @@ class LLMEngine:
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return _Tracked(req, params, seed, detokenizer, text, on_delta)
-
-    def _check_resumed(
-        self, resumed_token_ids: Sequence[int], num_prompt_tokens: int, params: SamplingParams
-    ) -> list[int]:
-        """The resumed tokens as a list, or ValueError naming ``resumed_token_ids`` when no
-        unbroken run could have streamed them and still be running."""
-        resumed = list(resumed_token_ids)
-        vocab = self.model_config.vocab_size
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in resumed
-        ):
-            raise ValueError(f"resumed_token_ids: token ids must be integers in [0, {vocab})")
-        if len(resumed) >= params.max_tokens:
-            raise ValueError(
-                f"resumed_token_ids: {len(resumed)} tokens leave nothing to generate under "
-                f"max_tokens {params.max_tokens}"
-            )
-        if num_prompt_tokens + len(resumed) >= self.max_model_len:
-            raise ValueError(
-                f"resumed_token_ids: the prompt's {num_prompt_tokens} tokens plus "
-                f"{len(resumed)} resumed tokens leave no room in the context of "
-                f"{self.max_model_len} tokens"
-            )
-        enders = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if enders.intersection(resumed):
-            raise ValueError(
-                "resumed_token_ids: they hold a stop or EOS token, so the request has already "
-                "finished"
-            )
-        return resumed
 
     def enqueue(self, tracked: _Tracked) -> str:
         rid = tracked.request.request_id
