@@ -1,8 +1,9 @@
 """Decode step time against batch size: where a step's cost jumps as requests join.
 
 On CPU the Q4_1 / Q8_0 matmul (csrc/qmatmul.c) takes at most 8 rows a pass with AVX2 (16
-with AVX-512), and each pass dequantizes every weight it reads, which costs about as much as
-8 rows' multiply-adds: a ninth token in a step takes a second pass. One engine, greedy
+with AVX-512), and each pass dequantizes every weight it reads: a ninth token in a step takes
+a second pass (since 4 rows or fewer take both halves of a panel at once, a cheaper one than
+it was). One engine, greedy
 requests of short prompts decoding; for each batch size the median milliseconds of a step
 and the step time per request, side by side, in one JSON line.
 

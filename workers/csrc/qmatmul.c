@@ -21,9 +21,11 @@
  * Rows past N in the last panel are zero. x is float32 [M, K], y float32 [M, N], row-major.
  *
  * Built by workers/cpu_kernels.py with `cc -O3 -march=native -fopenmp`: AVX-512 code where the
- * compiler targets AVX-512F, else AVX2 + FMA code (8-wide: a panel is two vectors, each pass
- * over x takes at most 8 rows so the accumulators fit in 16 registers). Both sum every output
- * in the same order, so the two builds give bit-identical results.
+ * compiler targets AVX-512F, else AVX2 + FMA code (8-wide: a panel is two vectors; a pass over
+ * x takes 5-8 rows through one vector at a time so the accumulators fit in 16 registers, or
+ * 1-4 rows through both at once, since so few rows would leave the FMA units waiting on each
+ * output's chain of adds). Every pass sums every output in the same order, so the two builds
+ * give bit-identical results, and a row's result does not depend on the rows beside it.
  */
 #include <stdint.h>
 #include <string.h>
@@ -146,6 +148,20 @@ static inline __attribute__((always_inline)) void panel(int type, const float *x
 }
 
 #else
+/* Rows i < mb of y (row stride n) get acc[i]'s first min(left, 8) lanes. */
+static inline __attribute__((always_inline)) void store8(const __m256 *acc, int mb, float *y,
+                                                         int64_t n, int64_t left) {
+    if (left >= 8) {
+        for (int i = 0; i < mb; i++) _mm256_storeu_ps(y + i * n, acc[i]);
+        return;
+    }
+    float tmp[8];
+    for (int i = 0; i < mb; i++) {
+        _mm256_storeu_ps(tmp, acc[i]);
+        memcpy(y + i * n, tmp, sizeof(float) * (size_t)left);
+    }
+}
+
 /* y[0:mb, n0:n0+16] for one panel; mb <= MAX_ROWS. Constant type and mb per call site.
  * Each 8-row half of the panel is a pass over k; per output the order of the sums (g, then j
  * with its low and high nibble) is the AVX-512 kernel's. */
@@ -193,33 +209,91 @@ static inline __attribute__((always_inline)) void panel(int type, const float *x
                 }
             }
         }
-        float *yh = y + n0 + 8 * h;
-        if (left >= 8) {
-            for (int i = 0; i < mb; i++) _mm256_storeu_ps(yh + i * n, acc[i]);
+        store8(acc, mb, y + n0 + 8 * h, n, left);
+    }
+}
+
+/* y[0:mb, n0:n0+16] for one panel, both 8-row halves in one pass over k; mb <= 4. A pass of
+ * few rows is bound by the latency of each output's chain of multiply-adds, not by their
+ * throughput: the two halves' chains run side by side (8 at 4 rows, enough to fill both FMA
+ * units), and each x[i, k] broadcast serves both. Same order of sums as `panel`. */
+static inline __attribute__((always_inline)) void panel_both(int type, const float *x, int64_t k,
+                                                             const uint8_t *pw, int mb, float *y,
+                                                             int64_t n, int64_t n0) {
+    int64_t nb = k / GROUP, rec = record_bytes(type);
+    __m256 lo[4], hi[4]; /* outputs n0..n0+7 and n0+8..n0+15 of row i */
+    for (int i = 0; i < mb; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *o = pw + g * rec;
+        const float *xg = x + g * GROUP;
+        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+        if (type == KVQ_Q8_0) {
+            const uint8_t *q = o + 2 * PANEL;
+            for (int j = 0; j < 32; j++) {
+                __m128i qb = _mm_loadu_si128((const __m128i *)(q + j * PANEL));
+                __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qb)));
+                __m256 w1 = _mm256_mul_ps(
+                    d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qb, 8))));
+                for (int i = 0; i < mb; i++) {
+                    __m256 xi = _mm256_set1_ps(xg[i * k + j]);
+                    lo[i] = _mm256_fmadd_ps(xi, w0, lo[i]);
+                    hi[i] = _mm256_fmadd_ps(xi, w1, hi[i]);
+                }
+            }
+            continue;
+        }
+        __m256 m0, m1;
+        const uint8_t *q;
+        if (type == KVQ_Q4_1) {
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 2 * PANEL)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 2 * PANEL + 16)));
+            q = o + 4 * PANEL;
         } else {
-            float tmp[8];
+            m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f)); /* d*(q-8) = d*q - 8d, all exact */
+            m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
+            q = o + 2 * PANEL;
+        }
+        for (int j = 0; j < 16; j++) {
+            __m128i qb = _mm_loadu_si128((const __m128i *)(q + j * PANEL));
+            __m256i q0 = _mm256_cvtepu8_epi32(qb);
+            __m256i q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(qb, 8));
+            __m256i low = _mm256_set1_epi32(15);
+            __m256 wlo0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), m0);
+            __m256 whi0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), m0);
+            __m256 wlo1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_and_si256(q1, low)), m1);
+            __m256 whi1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), m1);
             for (int i = 0; i < mb; i++) {
-                _mm256_storeu_ps(tmp, acc[i]);
-                memcpy(yh + i * n, tmp, sizeof(float) * (size_t)left);
+                __m256 xl = _mm256_set1_ps(xg[i * k + j]), xh = _mm256_set1_ps(xg[i * k + j + 16]);
+                lo[i] = _mm256_fmadd_ps(xl, wlo0, lo[i]);
+                lo[i] = _mm256_fmadd_ps(xh, whi0, lo[i]);
+                hi[i] = _mm256_fmadd_ps(xl, wlo1, hi[i]);
+                hi[i] = _mm256_fmadd_ps(xh, whi1, hi[i]);
             }
         }
     }
+    store8(lo, mb, y + n0, n, n - n0);
+    if (n - n0 > 8) store8(hi, mb, y + n0 + 8, n, n - n0 - 8);
 }
 
 #endif
 
 #define PANEL_MB(T, MB)                                                                  \
     case MB: panel(T, xm, k, pw, MB, ym, n, n0); break;
+#define BOTH_MB(T, MB)                                                                   \
+    case MB: panel_both(T, xm, k, pw, MB, ym, n, n0); break;
 
-#define PANEL_CASES_8(T)                                                                 \
-    PANEL_MB(T, 8) PANEL_MB(T, 7) PANEL_MB(T, 6) PANEL_MB(T, 5)                          \
-    PANEL_MB(T, 4) PANEL_MB(T, 3) PANEL_MB(T, 2) PANEL_MB(T, 1)
 #if KV_AVX512
 #define PANEL_CASES(T)                                                                   \
     PANEL_MB(T, 16) PANEL_MB(T, 15) PANEL_MB(T, 14) PANEL_MB(T, 13)                      \
-    PANEL_MB(T, 12) PANEL_MB(T, 11) PANEL_MB(T, 10) PANEL_MB(T, 9) PANEL_CASES_8(T)
+    PANEL_MB(T, 12) PANEL_MB(T, 11) PANEL_MB(T, 10) PANEL_MB(T, 9)                       \
+    PANEL_MB(T, 8) PANEL_MB(T, 7) PANEL_MB(T, 6) PANEL_MB(T, 5)                          \
+    PANEL_MB(T, 4) PANEL_MB(T, 3) PANEL_MB(T, 2) PANEL_MB(T, 1)
 #else
-#define PANEL_CASES(T) PANEL_CASES_8(T)
+/* 1-4 rows take both halves of a panel in one pass (`panel_both`), 5-8 rows one at a time. */
+#define PANEL_CASES(T)                                                                   \
+    PANEL_MB(T, 8) PANEL_MB(T, 7) PANEL_MB(T, 6) PANEL_MB(T, 5)                          \
+    BOTH_MB(T, 4) BOTH_MB(T, 3) BOTH_MB(T, 2) BOTH_MB(T, 1)
 #endif
 
 #define MATMUL_TYPE(T)                                                                   \
