@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from kvmesh.workers.attention import AttentionMetadata, TorchAttentionBackend
 from kvmesh.workers.kv_cache import KVCache
-from kvmesh.workers.model import LlamaForCausalLM
+from kvmesh.workers.model import LlamaForCausalLM, RMSNorm, apply_rope
 from kvmesh.workers.model_config import ModelConfig
 
 TOL = 1e-4
@@ -173,6 +173,35 @@ def test_mixed_batch_matches_hf(name: str) -> None:
     for got, ids in ((out[0], a), (out[1], b), (out[2], [*c, 7])):
         ref = hf_logits(hf, ids)[-len(got) :]
         assert max_diff(got, ref) < TOL, f"{name} mixed batch: max abs diff {max_diff(got, ref)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_and_norm_equal_hf_bit_for_bit(dtype: torch.dtype) -> None:
+    # apply_rope rolls x and takes sin with its first half negated where HF concatenates
+    # (-x2, x1); RMSNorm skips HF's casts in float32. Both must be the same floats, not close.
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    config, hf, ours = build_pair("llama3")
+    t, d = 40, config.head_dim
+    pos = torch.arange(100, 100 + t)
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(t, 4, d, generator=g) * 3).to(dtype)
+    k = (torch.randn(t, 2, d, generator=g) * 3).to(dtype)
+    hf_cos, hf_sin = hf.model.rotary_emb(q, pos[None])  # [1, T, D] in q's dtype
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          hf_cos, hf_sin)  # fmt: skip
+    cos, sin = ours._rope(pos, 200)
+    cos, sin = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+    assert torch.equal(apply_rope(q, cos, sin), want_q[0].transpose(0, 1))
+    assert torch.equal(apply_rope(k, cos, sin), want_k[0].transpose(0, 1))
+
+    norm = RMSNorm(config.hidden_size, 1e-5).to(dtype)
+    hf_norm = hf.model.norm.to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(config.hidden_size, generator=g))
+        hf_norm.weight.copy_(norm.weight)
+        x = (torch.randn(t, config.hidden_size, generator=g) * 5).to(dtype)
+        assert torch.equal(norm(x), hf_norm(x))
 
 
 def test_bf16_model_runs_close_to_float32() -> None:

@@ -34,6 +34,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if x.dtype == torch.float32:  # the same ops less two no-op casts (~8% of a CPU step's ops)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         # Normalise in float32, cast back, then scale: HF's order, which matters in bf16.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -87,14 +89,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos, sin: [T, D] in x's dtype (HF casts the float32 table the same way).
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    """HF's `x * cos + rotate_half(x) * sin`, bit for bit, in 4 ops instead of 8: rotate_half(x)
+    is cat(-x2, x1) and the roll cat(x2, x1), so `sin` comes with its first half negated
+    (`LlamaForCausalLM._rope`); negation is exact, so each product is the same float.
+    x: [T, heads, D]; cos, sin: [T, 1, D] in x's dtype (HF casts the float32 table too)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class LlamaAttention(nn.Module):
@@ -118,8 +118,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D], first half negated (apply_rope)
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
@@ -201,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
         self._tied_qweight: PackedWeight | None = None  # embed_tokens' blocks, for logits
 
     def _rope(self, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin float32 [T, D] at `positions`; builds the table (on positions' device, up to
+        """cos, sin float32 [T, D] at `positions`, sin's first half negated (`apply_rope`); builds
+        the table (on positions' device, up to
         max_position_embeddings rows, more if a step asks) the first time it is too small."""
         old = self._rope_cos.shape[0]
         if old < max_seq_len or self._rope_cos.device != positions.device:
@@ -212,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
             freqs = torch.outer(pos, inv_freq)  # [P, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]: rotate_half pairs i with i + D/2
             self._rope_cos, self._rope_sin = emb.cos(), emb.sin()
+            self._rope_sin[:, : emb.shape[1] // 2].neg_()
         return self._rope_cos.index_select(0, positions), self._rope_sin.index_select(0, positions)
 
     def forward(
@@ -223,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self._rope(positions, meta.max_seq_len)  # float32 [T, D]
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # HF casts the table to x's dtype too
+        # HF casts the table to x's dtype too; [T, 1, D] broadcasts over heads.
+        cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
