@@ -26,6 +26,7 @@ from kvmesh.workers.kv_cache_manager import KVCacheManager
 from kvmesh.workers.kv_connector import KvCacheConnector, NoopKvCacheConnector, PullPlan
 from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.loader import load_weights
+from kvmesh.workers.logprobs import logprob_entries, prompt_logprob_entries
 from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model import LlamaForCausalLM
 from kvmesh.workers.model_runner import ModelRunner
@@ -35,7 +36,7 @@ from kvmesh.workers.request import Request
 from kvmesh.workers.request_checks import check_request
 from kvmesh.workers.sampler import sample
 from kvmesh.workers.sampling_params import SamplingParams
-from kvmesh.workers.scheduler import Scheduler, SchedulerConfig
+from kvmesh.workers.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from kvmesh.workers.tiered_connector import TieredKvConnector
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class _Tracked:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt runs
 
 
 class LLMEngine:
@@ -251,7 +253,10 @@ class LLMEngine:
             pull_plan,
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return _Tracked(req, params, seed, detokenizer, text, on_delta)
+        tracked = _Tracked(req, params, seed, detokenizer, text, on_delta)
+        if params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None]  # the first token: nothing before it predicts it
+        return tracked
 
     def enqueue(self, tracked: _Tracked) -> str:
         rid = tracked.request.request_id
@@ -306,6 +311,7 @@ class LLMEngine:
             [len(t.request.output_token_ids) for t in sampling],
         )
         self._record_logprobs(logits, sampling, tokens)
+        self._record_prompt_logprobs(batch)
         now = time.perf_counter()
         for s in batch:
             s.request.num_kv_tokens += s.num_new_tokens
@@ -315,18 +321,31 @@ class LLMEngine:
     @staticmethod
     def _record_logprobs(logits: torch.Tensor, sampling: list[_Tracked], tokens: list[int]) -> None:
         rows = [i for i, t in enumerate(sampling) if t.params.logprobs is not None]
-        if not rows:
-            return
-        logp = logits[rows].log_softmax(dim=-1)
-        for j, i in enumerate(rows):
+        for i in rows:  # one row at a time: each asks for its own top N
             t = sampling[i]
-            top = logp[j].topk(t.params.logprobs) if t.params.logprobs else None
-            entry = {tokens[i]: float(logp[j, tokens[i]])}
-            if top is not None:
-                entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            (entry,) = logprob_entries(
+                logits[i : i + 1].log_softmax(-1), [tokens[i]], t.params.logprobs
+            )
             if t.logprobs is None:
                 t.logprobs = []
             t.logprobs.append(entry)
+
+    def _record_prompt_logprobs(self, batch: list[ScheduledRequest]) -> None:
+        """The prompt tokens' entries from the positions this step computed (a preempted
+        request computes them again: only positions not yet recorded are kept)."""
+        for i, first, hidden in self.runner.prompt_hidden:
+            req = batch[i].request
+            t = self._tracked[req.request_id]
+            assert t.prompt_logprobs is not None  # set by make_request
+            skip = len(t.prompt_logprobs) - (first + 1)  # already recorded
+            if skip < hidden.shape[0]:
+                t.prompt_logprobs += prompt_logprob_entries(
+                    self.model.compute_logits,
+                    hidden[max(0, skip) :],
+                    first + max(0, skip),
+                    req.prompt_token_ids,
+                    t.params.prompt_logprobs,
+                )
 
     def _postprocess(self, t: _Tracked, token: int, now: float) -> StreamDelta:
         req, params = t.request, t.params
@@ -346,6 +365,8 @@ class LLMEngine:
         delta = StreamDelta(req.request_id, [token], text, t.finish_reason)
         if t.logprobs is not None:  # recorded for this token just before
             delta.logprobs = t.logprobs[-1:]
+        if len(req.output_token_ids) == req.num_resumed_tokens + 1:  # the first one here
+            delta.prompt_logprobs = t.prompt_logprobs
         if t.finish_reason is not None:
             req.metrics.finished_time = now
             self.scheduler.finish(req)
@@ -368,4 +389,5 @@ class LLMEngine:
             prompt=t.prompt,
             logprobs=t.logprobs,  # the tokens generated here, after the resumed ones
             num_resumed_tokens=req.num_resumed_tokens,
+            prompt_logprobs=t.prompt_logprobs,
         )

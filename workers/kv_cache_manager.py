@@ -123,8 +123,8 @@ class KVCacheManager:
         The last token is always left to compute, so the step has logits to sample from.
         Nothing is allocated or referenced here.
         """
-        if not self.enable_prefix_caching:
-            return ComputedBlocks()
+        if not self.enable_prefix_caching or request.needs_prompt_logits:
+            return ComputedBlocks()  # its blocks are still cached for others when computed
         hashes = request.block_hashes
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         local: list[KVBlock] = []

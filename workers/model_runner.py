@@ -17,6 +17,11 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
+        # After `run`: for each scheduled request asking for prompt logprobs whose step
+        # computed prompt positions before its last, (its index in the batch, the first such
+        # position p, final-norm hidden states [k, H] of positions p .. p + k - 1). Logits
+        # are left to the caller: [k, V] at once would be too big for a long prompt.
+        self.prompt_hidden: list[tuple[int, int, torch.Tensor]] = []
 
     @torch.inference_mode()
     def run(
@@ -30,9 +35,14 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         last_rows: list[int] = []
-        for s in batch:
+        prompt_rows: list[tuple[int, int, int, int]] = []  # batch index, position, row, count
+        for i, s in enumerate(batch):
             start = s.request.num_kv_tokens
             end = start + s.num_new_tokens
+            # Position p's logits predict token p + 1: prompt positions before the last.
+            k = min(end, s.request.num_prompt_tokens - 1) - start
+            if s.request.needs_prompt_logits and k > 0:
+                prompt_rows.append((i, start, len(input_ids), k))
             input_ids.extend(s.request.all_token_ids[start:end])
             positions.extend(range(start, end))
             query_lens.append(s.num_new_tokens)
@@ -48,5 +58,6 @@ class ModelRunner:
             self.kv_cache,
             meta,
         )
+        self.prompt_hidden = [(i, p, hidden[r : r + k]) for i, p, r, k in prompt_rows]
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))

@@ -63,6 +63,12 @@ class Request:
         self._hasher.extend(self.output_token_ids)
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether every prompt position's logits are needed (prompt logprobs): then every
+        prompt token is computed here, with no hit, pull or tier load, which give KV only."""
+        return getattr(self.params, "prompt_logprobs", None) is not None
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -15,6 +15,9 @@ values with the same message ("field: why, got value"). The caps, and why:
 - ``stop``: at most 16 strings of 1 to 256 characters (OpenAI allows 4; vLLM has no cap).
 - ``stop_token_ids``: at most 256 ids, each in [0, 2**31).
 - ``logprobs``: None or an integer in [0, 20] (OpenAI's ``top_logprobs`` range).
+- ``prompt_logprobs``: the same range: each prompt token's logprob and the top N at its
+  position (vLLM's; the first token has none). The request then computes its whole prompt:
+  a prefix hit has KV but no logits (vLLM does the same).
 - ``max_tokens``: an integer >= 1; the engine checks prompt + max_tokens against the context.
 - ``min_tokens``: an integer in [0, max_tokens]: until that many tokens, EOS and
   ``stop_token_ids`` are never chosen and no stop string counts (vLLM's).
@@ -54,6 +57,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # log-probabilities of each sampled token and the top N
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -124,6 +128,10 @@ class SamplingParams:
             _is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not (
+            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
         if not isinstance(self.stop, tuple) or len(self.stop) > self.MAX_STOP:
             raise bad("stop", f"must be a string or a list of at most {self.MAX_STOP} strings")
         if not all(isinstance(s, str) and 0 < len(s) <= self.MAX_STOP_LEN for s in self.stop):
