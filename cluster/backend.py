@@ -81,6 +81,8 @@ class Completion:
     # With SamplingParams.logprobs: per generated token, {token id: logprob} of the sampled
     # token and the top N.
     logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token, its entry (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # The worker's time from the first token to the last: what a whole (not streamed)
     # response waited for after its first token, taken off to get the ingress's TTFT.
     decode_s: float = 0.0
@@ -102,6 +104,7 @@ class Completion:
             finish_reason=out.finish_reason or "stop",
             kv=KvSource.of(worker, out, prefill_worker),
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
             decode_s=decode_s,
         )
 
@@ -123,6 +126,8 @@ class Chunk:
     finish_reason: str | None = None
     completion: Completion | None = None
     logprobs: list[dict[int, float]] | None = None  # per token of token_ids, when asked for
+    # With SamplingParams.prompt_logprobs, on the request's first chunk that has tokens.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Backend(Protocol):

@@ -186,15 +186,23 @@ class ClusterBackend:
             params = dataclasses.replace(params, seed=random.getrandbits(63))
             request = dataclasses.replace(request, params=params)
         prefill_worker = None
-        if self.config.disaggregated:
+        # Prompt logprobs need every prompt position's logits where the prompt is computed, so
+        # such a request computes it where it decodes: a prefill replica's KV would not do.
+        if self.config.disaggregated and params.prompt_logprobs is None:
             prefill_worker = await self._prefill(request, ids)
         generated: list[int] = []
         logprobs: list[dict[int, float]] = []
+        prompt_logprobs: list[dict[int, float] | None] | None = None
         migrations = 0
         while True:
             if self._ended:
                 raise Unavailable(SHUTTING_DOWN)
-            work = self._worker_request(request, ids, generated, interval_s)
+            asked = request
+            if prompt_logprobs is not None:  # resumed: they came, so hits may serve again
+                asked = dataclasses.replace(
+                    request, params=dataclasses.replace(params, prompt_logprobs=None)
+                )
+            work = self._worker_request(asked, ids, generated, interval_s)
             own_call_id()
             stream = self.handles[self.role].options(stream=True).generate.remote(work)
             self._running.add(stream)
@@ -203,17 +211,21 @@ class ClusterBackend:
                     delta: StreamDelta
                     generated.extend(delta.token_ids)
                     logprobs.extend(delta.logprobs or [])
+                    if delta.prompt_logprobs is not None:
+                        prompt_logprobs = delta.prompt_logprobs
                     chunk = Chunk(
                         request.request_id,
                         delta.text,
                         list(delta.token_ids),
                         delta.finish_reason,
                         logprobs=delta.logprobs,
+                        prompt_logprobs=delta.prompt_logprobs,
                     )
                     if delta.output is not None:
                         chunk.completion = self._completion(
                             request, ids, delta, generated, logprobs, prefill_worker, migrations
                         )
+                        chunk.completion.prompt_logprobs = prompt_logprobs
                     yield chunk
                     if delta.finish_reason is not None:
                         return

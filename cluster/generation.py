@@ -128,6 +128,7 @@ class Generation:
         lp_entries: list[list[dict[int, float]]] = [[] for _ in range(n)]
         completions: list[Completion | None] = [None] * n
         first = [True] * n
+        echoed = [shape.echo is None] * n  # echo: the prompt goes out with the first tokens
         if shape.kind == "chat":
             for i in range(n):
                 yield shape.chunk("", index=i, role=True) | extra
@@ -138,6 +139,9 @@ class Generation:
                 now = time.perf_counter()
                 self.metrics.observe_inter_token(now - last[i], len(chunk.token_ids))
                 last[i] = now
+            if not echoed[i] and (chunk.token_ids or chunk.finish_reason is not None):
+                echoed[i] = True  # the prompt's logprobs come with the first tokens
+                yield shape.echo_chunk(i, chunk.prompt_logprobs, self.backend) | extra
             if chunk.logprobs is not None:
                 lp_ids[i] += chunk.token_ids
                 lp_entries[i] += chunk.logprobs

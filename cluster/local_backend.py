@@ -150,6 +150,7 @@ class LocalBackend:
             list(delta.token_ids),
             delta.finish_reason,
             logprobs=delta.logprobs,
+            prompt_logprobs=delta.prompt_logprobs,
         )
         if delta.output is not None:
             chunk.completion = Completion.of(request.request_id, self.name, delta.output)

@@ -16,7 +16,7 @@ from kvmesh.cluster.api_error import ApiError, valid
 from kvmesh.cluster.backend import Backend, GenerateRequest
 from kvmesh.cluster.generation import choice_id
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.cluster.response_shape import ResponseShape
+from kvmesh.cluster.response_shape import Echo, ResponseShape
 from kvmesh.workers.sampling_params import SamplingParams
 
 Choices = tuple[list[GenerateRequest], ResponseShape]
@@ -40,13 +40,22 @@ async def completion_choices(backend: Backend, body: CompletionRequest, model_na
     prompts = body.prompts()
     rid = f"cmpl-{uuid.uuid4().hex}"
     reqs: list[GenerateRequest] = []
+    echo: list[Echo] = []
     total = len(prompts) * body.n
     for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
         ids = await asyncio.to_thread(valid, lambda p=prompt: backend.tokenize(p))
         params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size)
         choices = body.per_choice(params)
         reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
-    return reqs, ResponseShape("text", rid, model_name, body.num_logprobs(), body.n)
+        if body.echo:  # token ids echo as the text they decode to
+            text = (
+                prompt if isinstance(prompt, str) else await asyncio.to_thread(backend.decode, ids)
+            )
+            echo.append(Echo(text, ids))
+    shape = ResponseShape(
+        "text", rid, model_name, body.num_logprobs(), body.n, echo if body.echo else None
+    )
+    return reqs, shape
 
 
 def _choice_requests(

@@ -183,6 +183,10 @@ class _GenerateBody(_Body):
         """How many top alternatives to report per token; None for no logprobs (each
         endpoint spells logprobs its own way)."""
 
+    def num_prompt_logprobs(self) -> int | None:
+        """The same for each prompt token (completions' echo with logprobs); None: none."""
+        return None
+
     def check(self, model_name: str) -> None:
         """Checks that need no tokens: the model, n, the fields kvmesh does not implement,
         stream_options without stream, and top_logprobs without logprobs."""
@@ -216,6 +220,7 @@ class _GenerateBody(_Body):
         if self.top_k is not None and self.top_k != -1:
             kw["top_k"] = self.top_k
         kw["logprobs"] = self.num_logprobs()
+        kw["prompt_logprobs"] = self.num_prompt_logprobs()
         asked, field = self.requested_max_tokens, self.max_tokens_field
         # Sampling fields before lengths; a placeholder max_tokens until the length is known.
         first = asked if asked is not None else max(1, self.min_tokens or 0)
@@ -345,14 +350,13 @@ class CompletionRequest(_GenerateBody):
 
     Besides the shared fields (``_GenerateBody``), OpenAI's completion fields kvmesh does not
     implement are accepted only at a value that asks for nothing, else a 400 naming the field:
-    ``echo`` only false or null, ``best_of`` only 1 or null (below 1 is a 400 for the range),
-    ``suffix`` only null or ``""`` (no insertion).
+    ``best_of`` only 1 or null (below 1 is a 400 for the range), ``suffix`` only null or
+    ``""`` (no insertion).
     """
 
     PROMPT_FIELD = "prompt"
     LOGPROBS_FIELD = "logprobs"
     UNSUPPORTED = _GenerateBody.UNSUPPORTED | {
-        "echo": Unsupported("echo", "false", lambda v: v is None or v is False),
         "best_of": Unsupported("best_of above 1", "1", lambda v: v is None or v == 1),
         "suffix": Unsupported("suffix (insertion)", '""', is_empty),
     }
@@ -360,8 +364,11 @@ class CompletionRequest(_GenerateBody):
         description=f"Text or token ids, or a batch of either: prompts x n at most {MAX_CHOICES}."
     )
     logprobs: Annotated[int | None, LOGPROBS_SCHEMA] = None
-    echo: Annotated[bool | None, only({"const": False})] = Field(
-        None, description=unsupported_doc("false")
+    echo: bool | None = Field(
+        None,
+        description="Each choice's text starts with its prompt's; with logprobs, so do its "
+        "logprobs (the prompt's first token has null ones). The prompt is then computed "
+        "again, not taken from the cache: cached KV carries no logits.",
     )
     best_of: Annotated[Annotated[int, Field(ge=1)] | None, only({"const": 1})] = Field(
         None, description=unsupported_doc("1")
@@ -372,6 +379,9 @@ class CompletionRequest(_GenerateBody):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids: a batch, or one prompt as a batch of one.

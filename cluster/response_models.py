@@ -71,8 +71,8 @@ class ChatLogprobs(_Out):
 
 class CompletionLogprobs(_Out):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol
 
 from kvmesh.cluster.backend import Completion
 
+Entries = Sequence[dict[int, float] | None]  # per token: its logprob and the top N, or None
+
 # Tokens decoded again with each next token to see what text it adds (``_TextOffsets``): more
 # than one character's tokens (up to 4 in a byte-level BPE: one per UTF-8 byte), with room for
 # special tokens between them. No byte-level BPE or SentencePiece decoder looks further back.
@@ -44,10 +46,19 @@ def usage(completions: Sequence[Completion], n: int = 1) -> dict[str, Any]:
     }
 
 
+class Echo:
+    """Completions' ``echo``: a prompt's text and token ids, put before each of its choices'
+    text (and, with logprobs, its tokens' logprobs before theirs)."""
+
+    def __init__(self, text: str, token_ids: list[int]) -> None:
+        self.text, self.token_ids = text, token_ids
+
+
 class ResponseShape:
     """Builds one endpoint's objects: ``chat`` (chat.completion / chat.completion.chunk) or
     ``text`` (text_completion for both), for choices ``n`` per prompt (index
-    prompt * n + j, as OpenAI numbers them)."""
+    prompt * n + j, as OpenAI numbers them). ``echo``: per prompt, what completions' echo
+    puts first (text only)."""
 
     def __init__(
         self,
@@ -56,9 +67,11 @@ class ResponseShape:
         model: str,
         logprobs: int | None = None,
         n: int = 1,
+        echo: list[Echo] | None = None,
     ) -> None:
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.logprobs = logprobs  # top alternatives per token; None: no logprobs
+        self.echo = echo
         # Per streamed choice: completions' logprobs.text_offset across chunks, and the
         # characters of text streamed so far.
         self._offsets: dict[int, _TextOffsets] = defaultdict(_TextOffsets)
@@ -77,12 +90,16 @@ class ResponseShape:
         choices = []
         for index, c in enumerate(completions):
             choice: dict[str, Any] = {"index": index}
+            echo = self._echo(index)
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
-                choice["text"] = c.text
+                choice["text"] = (echo.text if echo else "") + c.text
             offsets = _TextOffsets()
-            logprobs = self._logprobs(c.token_ids, c.logprobs, vocab, len(c.text), offsets)
+            base = len(echo.text) if echo else 0
+            logprobs = self._logprobs(c.token_ids, c.logprobs, vocab, len(c.text), offsets, base)
+            if echo is not None and logprobs is not None:
+                logprobs = self._echo_logprobs(echo, c.prompt_logprobs, vocab, logprobs)
             choice |= {"logprobs": logprobs, "finish_reason": c.finish_reason}
             if len(completions) > 1:
                 choice["kvmesh"] = c.kv.to_dict()
@@ -94,26 +111,43 @@ class ResponseShape:
             "kvmesh": completions[0].kv.to_dict(),
         }
 
+    def _echo(self, index: int) -> Echo | None:
+        return self.echo[index // self.n] if self.echo is not None else None
+
+    def _echo_logprobs(
+        self, echo: Echo, entries: Entries | None, vocab: Vocab | None, after: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The prompt's tokens' logprobs (its first has none) followed by ``after``'s."""
+        if entries is None:  # not computed (cannot happen over HTTP): the completion's only
+            return after
+        head = self._logprobs(echo.token_ids, entries, vocab, len(echo.text), _TextOffsets())
+        assert head is not None
+        return {key: head[key] + after[key] for key in head}
+
     def _logprobs(
         self,
         token_ids: list[int],
-        entries: list[dict[int, float]] | None,
+        entries: Entries | None,
         vocab: Vocab | None,
         text_len: int,
         offsets: _TextOffsets,
+        base: int = 0,
     ) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for these generated tokens: ``content`` items for chat;
-        ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (counted from the
-        start of the completion, across stream chunks) for completions. ``text_len``: the
-        characters of text given out so far, these tokens' included."""
+        """OpenAI's logprobs object for these tokens: ``content`` items for chat; ``tokens``,
+        ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (counted from the start of
+        the completion, across stream chunks, plus ``base``: an echoed prompt's length) for
+        completions. ``text_len``: the characters of text given out so far, these tokens'
+        included. An entry None (an echoed prompt's first token) gives nulls."""
         if self.logprobs is None or entries is None or vocab is None:
             return None
-        # (sampled token, its logprob, the top alternatives best first) per generated token
+        # (token, its logprob, the top alternatives best first) per token
         rows = [
-            (tok, entry[tok], sorted(entry.items(), key=lambda kv: -kv[1])[: self.logprobs])
+            (tok, None, None)
+            if entry is None
+            else (tok, entry[tok], sorted(entry.items(), key=lambda kv: -kv[1])[: self.logprobs])
             for tok, entry in zip(token_ids, entries, strict=False)
         ]
-        ids = sorted({t for entry in entries for t in entry})
+        ids = sorted({t for entry in entries if entry for t in entry} | {t for t, _, _ in rows})
         # A token's text is its own decode, so one that holds part of a character shows
         # "\ufffd" (as OpenAI shows such tokens); its bytes are the token's own.
         text = dict(zip(ids, vocab.token_texts(ids), strict=True))
@@ -124,7 +158,9 @@ class ResponseShape:
                 return {"token": text[t], "logprob": lp, "bytes": list(raw[t])}
 
             content = [
-                item(t, lp) | {"top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in rows
+                item(t, lp) | {"top_logprobs": [item(a, b) for a, b in top]}
+                for t, lp, top in rows
+                if lp is not None and top is not None
             ]
             return {"content": content, "refusal": None}
         starts = offsets.add([t for t, _, _ in rows], vocab.decode)
@@ -132,9 +168,12 @@ class ResponseShape:
             "tokens": [text[t] for t, _, _ in rows],
             "token_logprobs": [lp for _, lp, _ in rows],
             # Two tokens can share a text (a "\ufffd" byte piece): the best one names it.
-            "top_logprobs": [{text[a]: b for a, b in reversed(top)} for _, _, top in rows],
+            "top_logprobs": [
+                None if top is None else {text[a]: b for a, b in reversed(top)}
+                for _, _, top in rows
+            ],
             # Tokens past a stop string have text the completion cut off: at its end.
-            "text_offset": [min(o, text_len) for o in starts],
+            "text_offset": [base + min(o, text_len) for o in starts],
         }
 
     def chunk(
@@ -162,12 +201,26 @@ class ResponseShape:
         self._text_len[index] += len(text)
         lp = None
         if logprobs is not None:
-            lp = self._logprobs(*logprobs, vocab, self._text_len[index], self._offsets[index])
+            echo = self._echo(index)
+            base = len(echo.text) if echo else 0
+            offsets = self._offsets[index]
+            lp = self._logprobs(*logprobs, vocab, self._text_len[index], offsets, base)
         choice |= {"logprobs": lp, "finish_reason": finish_reason}
         out = self._head(self.chunk_object) | {"choices": [choice]}
         if completion is not None:
             out["kvmesh"] = completion.kv.to_dict()
         return out
+
+    def echo_chunk(self, index: int, entries: Entries | None, vocab: Vocab) -> dict[str, Any]:
+        """Completions' echo in a stream: choice ``index``'s first chunk, its prompt's text
+        and (with logprobs) its prompt tokens' logprobs."""
+        echo = self._echo(index)
+        assert echo is not None
+        lp = None
+        if self.logprobs is not None and entries is not None:
+            lp = self._logprobs(echo.token_ids, entries, vocab, len(echo.text), _TextOffsets())
+        choice = {"index": index, "text": echo.text, "logprobs": lp, "finish_reason": None}
+        return self._head(self.chunk_object) | {"choices": [choice]}
 
     def usage_chunk(self, completions: Sequence[Completion]) -> dict[str, Any]:
         """``stream_options.include_usage``: the extra last chunk, with no choices; usage of

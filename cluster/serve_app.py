@@ -80,6 +80,7 @@ _SAMPLING_KEYS = (
     "stop",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -114,6 +115,7 @@ def completion_dict(c: Completion) -> dict[str, Any]:
         },
         "kvmesh": c.kv.to_dict(),
         "logprobs": c.logprobs,
+        "prompt_logprobs": c.prompt_logprobs,
     }
 
 
@@ -126,6 +128,8 @@ def chunk_dict(c: Chunk) -> dict[str, Any]:
     }
     if c.logprobs is not None:
         out["logprobs"] = c.logprobs
+    if c.prompt_logprobs is not None:
+        out["prompt_logprobs"] = c.prompt_logprobs
     if c.completion is not None:
         full = completion_dict(c.completion)
         out["usage"], out["kvmesh"] = full["usage"], full["kvmesh"]

@@ -1,4 +1,4 @@
-"""OpenAI request fields kvmesh does not implement (JSON mode, tools, ``echo``, ...):
+"""OpenAI request fields kvmesh does not implement (JSON mode, tools, ``best_of``, ...):
 accepted only at a value that asks for nothing, else a 400 naming the field, as vLLM answers,
 rather than an answer that silently is not what was asked for. Their JSON schema declares
 just the accepted values, so a client (or a fuzzer) that follows it is answered. The request

@@ -71,6 +71,12 @@ STREAMS: dict[str, tuple[str, dict[str, Any], type[BaseModel], type[BaseModel]]]
         ChatCompletionChunk,
     ),
     "completions": (COMPLETIONS, complete(logprobs=2)[1], CompletionResponse, CompletionChunk),
+    "completions echo": (
+        COMPLETIONS,
+        complete(logprobs=2, echo=True)[1],  # the prompt's first token has null logprobs
+        CompletionResponse,
+        CompletionChunk,
+    ),
 }
 
 

@@ -1,5 +1,5 @@
 """OpenAI fields kvmesh does not implement are refused, not silently ignored: each is accepted
-only at the value that asks for nothing (``echo: false``, ``tools: []``, ...), and
+only at the value that asks for nothing (``best_of: 1``, ``tools: []``, ...), and
 anything else is a 400 naming the field (a wrong type or a value out of OpenAI's range too);
 ``stream_options`` needs ``stream: true``; ``/openapi.json`` declares just the accepted values.
 Also: the ``Authorization`` scheme is case-insensitive (RFC 7235), the key is not.
@@ -23,7 +23,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 # case: (route, field, values refused as not supported, values accepted: those that ask for
 # nothing). (The penalties and logit_bias are served: test_penalties.py.)
 FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
-    "echo": (complete, "echo", [True], [False, None]),
     "best_of": (complete, "best_of", [2, 20], [1, None]),
     "suffix": (complete, "suffix", ["!", " the end"], [None, ""]),
     "response_format": (
@@ -124,7 +123,6 @@ def test_openapi_declares_only_the_accepted_values(server: tuple[int, Spy]) -> N
     chat_fields = models["ChatCompletionRequest"]["properties"]
     completion_fields = models["CompletionRequest"]["properties"]
     null = {"type": "null"}
-    assert completion_fields["echo"]["anyOf"] == [{"const": False}, null]
     assert completion_fields["best_of"]["anyOf"] == [{"const": 1}, null]
     assert completion_fields["suffix"]["anyOf"] == [{"const": ""}, null]
     text = chat_fields["response_format"]["anyOf"][0]

@@ -111,7 +111,7 @@ def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -
 
 
 def test_non_streaming_request_resumes(app) -> None:
-    body = {**LONG, **SAMPLED, "seed": 11, "logprobs": 1}
+    body = {**LONG, **SAMPLED, "seed": 11, "logprobs": 1, "prompt_logprobs": 1}
     unbroken = app.generate.remote(body).result()
     pending = app.generate.remote(body)
     kill_worker(wait_for(lambda: busy_worker(app), 10, "the busy worker", every=0.02))
@@ -122,6 +122,11 @@ def test_non_streaming_request_resumes(app) -> None:
     assert len(out["logprobs"]) == len(out["token_ids"])
     for tok, entry in zip(out["token_ids"], out["logprobs"], strict=True):
         assert tok in entry
+    # The prompt's logprobs came once, from whichever worker computed the prompt.
+    assert len(out["prompt_logprobs"]) == len(PROMPT) and out["prompt_logprobs"][0] is None
+    pairs = zip(out["prompt_logprobs"][1:], unbroken["prompt_logprobs"][1:], strict=True)
+    for (got, want), tok in zip(pairs, PROMPT[1:], strict=True):
+        assert got[tok] == pytest.approx(want[tok], abs=1e-5)
     _healed(app)
 
 

@@ -60,3 +60,64 @@ def test_streamed_logprobs_equal_the_non_streamed(client: openai.OpenAI) -> None
     pieces = [p for p in pieces if p is not None]
     assert [t for p in pieces for t in p.tokens] == whole_text.tokens
     assert [o for p in pieces for o in p.text_offset] == whole_text.text_offset
+
+
+def test_echo_puts_the_prompt_first(client: openai.OpenAI, backend: LocalBackend) -> None:
+    out = client.completions.create(model=MODEL, prompt="Once upon", echo=True, **GREEDY)
+    plain = client.completions.create(model=MODEL, prompt="Once upon", **GREEDY)
+    assert out.choices[0].text == "Once upon" + plain.choices[0].text
+    assert out.choices[0].logprobs is None
+    ids = backend.tokenize("Once upon a time")
+    out = client.completions.create(model=MODEL, prompt=ids, echo=True, **GREEDY)
+    assert out.choices[0].text.startswith(backend.decode(ids))  # token ids echo as text
+
+
+def test_echo_logprobs_score_a_continuation_as_lm_eval_does(
+    client: openai.OpenAI, backend: LocalBackend, tiny_hf
+) -> None:
+    """lm-evaluation-harness's loglikelihood: token ids of context + continuation, echo,
+    logprobs 1, max_tokens 1; it sums token_logprobs over the continuation and checks each
+    token is the top one. Each prompt token's logprob is the reference model's, its first
+    token's is null, and the prompt is computed although it is cached."""
+    import torch
+
+    ctx = backend.tokenize("The quick brown fox")
+    cont = backend.tokenize(" jumps over the lazy dog")
+    ids = ctx + cont
+    client.completions.create(model=MODEL, prompt=ids, max_tokens=1)  # now cached
+    out = client.completions.create(
+        model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    with torch.inference_mode():
+        ref = tiny_hf.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for p in range(1, len(ids)):
+        assert lp.token_logprobs[p] == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+        best = ref[p - 1].argmax().item()
+        assert max(lp.top_logprobs[p].values()) == pytest.approx(ref[p - 1, best].item(), abs=1e-4)
+    assert lp.tokens[: len(ids)] == backend.token_texts(ids)
+    prompt_text = backend.decode(ids)
+    assert lp.text_offset[len(ids)] == len(prompt_text)  # the completion's first token
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streamed_echo_equals_the_whole(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "prompt": ["Once upon", "A b"], "echo": True, "logprobs": 2, "n": 2}
+    kw |= GREEDY
+    whole = client.completions.create(**kw).choices
+    streamed: dict[int, list] = {}
+    for c in client.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            streamed.setdefault(ch.index, []).append(ch)
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for choice in whole:
+        pieces = streamed[choice.index]
+        assert "".join(p.text for p in pieces) == choice.text
+        assert choice.text.startswith(["Once upon", "A b"][choice.index // 2])
+        lps = [p.logprobs for p in pieces if p.logprobs is not None]
+        assert [t for p in lps for t in p.tokens] == choice.logprobs.tokens
+        assert [t for p in lps for t in p.token_logprobs] == choice.logprobs.token_logprobs
+        assert [o for p in lps for o in p.text_offset] == choice.logprobs.text_offset

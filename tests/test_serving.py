@@ -131,7 +131,29 @@ def test_a_fast_stream_comes_in_fewer_chunks_than_tokens(unified) -> None:
     assert len(chunks) < len(want) / 2, [len(c["token_ids"]) for c in chunks]
 
 
-def test_handle_speaks_openai_bodies(unified) -> None:
+def check_prompt_logprobs(handle, reference: LLM, model_name: str) -> dict:
+    """An echo with logprobs of a cached prompt: computed again, its logprobs the engine's;
+    the handle's own dict takes prompt_logprobs too. Returns the last answer's ``kvmesh``."""
+    ids = list(range(9, 40))
+    handle.generate.remote({"prompt": ids, "max_tokens": 1}).result()  # cache it
+    want = reference.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    body = {"model": model_name, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 2}
+    out = handle.completions.remote(body).result()
+    lp = out["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + 2
+    want_lps = [entry[tok] for entry, tok in zip(want.prompt_logprobs[1:], ids[1:], strict=True)]
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want_lps, abs=1e-5)
+    assert out["kvmesh"]["computed_tokens"] == len(ids)
+    raw = handle.generate.remote({"prompt": ids, "max_tokens": 2, "prompt_logprobs": 0}).result()
+    got = raw["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    assert [e[t] for e, t in zip(got[1:], ids[1:], strict=True)] == pytest.approx(
+        want_lps, abs=1e-5
+    )
+    return raw["kvmesh"]
+
+
+def test_handle_speaks_openai_bodies(unified, reference: LLM) -> None:
     """``handle.completions`` / ``handle.chat`` take the HTTP body as a dict and give the
     HTTP JSON: several choices, streams with usage, and the same 400s, raised."""
     from kvmesh.cluster.api_error import ApiError
@@ -174,6 +196,8 @@ def test_handle_speaks_openai_bodies(unified) -> None:
         handle.chat.remote({**chat, "logit_bias": {"99999": 1}}).result()
     assert bad.value.status == 400 and bad.value.body["error"]["param"] == "logit_bias"
     assert handle.ingress_stats.remote().result()["admitted"] == 0
+    # Prompt logprobs (echo with logprobs) cross the actors, computed where it decodes.
+    check_prompt_logprobs(handle, reference, config.model_name)
     # The caller's errors are one INFO line each in the replica's log, not ERROR tracebacks.
     wait_for(lambda: "Refused with 400: n:" in replica_log("KvmeshServer"), 10, "the log line")
     assert "kvmesh.cluster.api_error.ApiError" not in replica_log("KvmeshServer")
@@ -309,6 +333,9 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
 
         again = wait_for(prefilled_again, 30, "a prefill on the replacement", every=0.5)
         assert again != kv["prefill_worker"]
+        # Prompt logprobs need the prompt computed where it decodes: no prefill replica.
+        kv4 = check_prompt_logprobs(handle, reference, "tiny-random")
+        assert "prefill_worker" not in kv4 and kv4["worker"].startswith("decode-")
     finally:
         undeploy()
 
