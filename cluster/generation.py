@@ -133,6 +133,7 @@ class Generation:
             for i in range(n):
                 yield shape.chunk("", index=i, role=True) | extra
         async for i, chunk in chunks:
+            chunk = shape.shown_chunk(chunk)
             if first[i]:
                 first[i] = False
             else:

@@ -53,7 +53,13 @@ async def completion_choices(backend: Backend, body: CompletionRequest, model_na
             )
             echo.append(Echo(text, ids))
     shape = ResponseShape(
-        "text", rid, model_name, body.num_logprobs(), body.n, echo if body.echo else None
+        "text",
+        rid,
+        model_name,
+        body.num_logprobs(),
+        body.n,
+        echo if body.echo else None,
+        body.prompt_only,
     )
     return reqs, shape
 

@@ -364,6 +364,11 @@ class CompletionRequest(_GenerateBody):
         description=f"Text or token ids, or a batch of either: prompts x n at most {MAX_CHOICES}."
     )
     logprobs: Annotated[int | None, LOGPROBS_SCHEMA] = None
+    max_tokens: Annotated[int | None, schema("integer", minimum=0)] = Field(
+        None,
+        description="At most the context minus the prompt's tokens. 0 only with echo: the "
+        "prompt (and its logprobs) without a completion, as vLLM does.",
+    )
     echo: bool | None = Field(
         None,
         description="Each choice's text starts with its prompt's; with logprobs, so do its "
@@ -382,6 +387,23 @@ class CompletionRequest(_GenerateBody):
 
     def num_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs, no completion."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # The engine samples once after any prompt: one token, generated and not shown.
+        return 1 if self.prompt_only else self.max_tokens
+
+    def check(self, model_name: str) -> None:
+        super().check(model_name)
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(
+                400, "max_tokens: must be at least 1 (0 only with echo: true)", param="max_tokens"
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids: a batch, or one prompt as a batch of one.

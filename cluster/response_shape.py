@@ -7,12 +7,13 @@ the tests check the two agree.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
-from kvmesh.cluster.backend import Completion
+from kvmesh.cluster.backend import Chunk, Completion
 
 Entries = Sequence[dict[int, float] | None]  # per token: its logprob and the top N, or None
 
@@ -58,7 +59,8 @@ class ResponseShape:
     """Builds one endpoint's objects: ``chat`` (chat.completion / chat.completion.chunk) or
     ``text`` (text_completion for both), for choices ``n`` per prompt (index
     prompt * n + j, as OpenAI numbers them). ``echo``: per prompt, what completions' echo
-    puts first (text only)."""
+    puts first (text only); ``prompt_only`` (echo with max_tokens 0): the generated token is
+    not shown, nor counted."""
 
     def __init__(
         self,
@@ -68,10 +70,12 @@ class ResponseShape:
         logprobs: int | None = None,
         n: int = 1,
         echo: list[Echo] | None = None,
+        prompt_only: bool = False,
     ) -> None:
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.logprobs = logprobs  # top alternatives per token; None: no logprobs
         self.echo = echo
+        self.prompt_only = prompt_only
         # Per streamed choice: completions' logprobs.text_offset across chunks, and the
         # characters of text streamed so far.
         self._offsets: dict[int, _TextOffsets] = defaultdict(_TextOffsets)
@@ -87,6 +91,7 @@ class ResponseShape:
         """The non-streaming response, a choice per completion in index order; ``vocab``
         names the tokens in its logprobs. ``kvmesh`` is the first choice's; with several,
         each choice has its own too."""
+        completions = [self.shown(c) for c in completions]
         choices = []
         for index, c in enumerate(completions):
             choice: dict[str, Any] = {"index": index}
@@ -110,6 +115,26 @@ class ResponseShape:
             "usage": usage(completions, self.n),
             "kvmesh": completions[0].kv.to_dict(),
         }
+
+    def shown(self, c: Completion) -> Completion:
+        """What the client sees of a completion: with ``prompt_only``, nothing generated."""
+        if not self.prompt_only:
+            return c
+        lp = [] if c.logprobs is not None else None
+        return dataclasses.replace(c, text="", token_ids=[], logprobs=lp, finish_reason="length")
+
+    def shown_chunk(self, chunk: Chunk) -> Chunk:
+        """A stream's chunk as the client sees it (``shown``): with ``prompt_only``, only its
+        end, which also carries the prompt's logprobs."""
+        if not self.prompt_only:
+            return chunk
+        done = chunk.finish_reason is not None
+        return Chunk(
+            chunk.request_id,
+            finish_reason="length" if done else None,
+            completion=chunk.completion,
+            prompt_logprobs=chunk.prompt_logprobs,
+        )
 
     def _echo(self, index: int) -> Echo | None:
         return self.echo[index // self.n] if self.echo is not None else None
@@ -227,7 +252,7 @@ class ResponseShape:
         every choice, ``kvmesh`` the first choice's."""
         return self._head(self.chunk_object) | {
             "choices": [],
-            "usage": usage(completions, self.n),
+            "usage": usage([self.shown(c) for c in completions], self.n),
             "kvmesh": completions[0].kv.to_dict(),
         }
 

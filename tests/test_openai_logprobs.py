@@ -121,3 +121,24 @@ def test_streamed_echo_equals_the_whole(client: openai.OpenAI) -> None:
         assert [t for p in lps for t in p.tokens] == choice.logprobs.tokens
         assert [t for p in lps for t in p.token_logprobs] == choice.logprobs.token_logprobs
         assert [o for p in lps for o in p.text_offset] == choice.logprobs.text_offset
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: openai.OpenAI) -> None:
+    """vLLM's way to score a text: the prompt and its logprobs, nothing generated or counted,
+    whole and streamed alike. max_tokens 0 without echo stays a 400."""
+    kw = {"model": MODEL, "prompt": "Once upon a time", "echo": True, "logprobs": 1}
+    out = client.completions.create(max_tokens=0, **kw)
+    scored = client.completions.create(max_tokens=3, temperature=0, **kw).choices[0].logprobs
+    choice = out.choices[0]
+    assert choice.text == "Once upon a time" and choice.finish_reason == "length"
+    n = out.usage.prompt_tokens
+    assert out.usage.completion_tokens == 0 and len(choice.logprobs.tokens) == n
+    assert choice.logprobs.token_logprobs == scored.token_logprobs[:n]
+    chunks = [c for c in client.completions.create(max_tokens=0, stream=True, **kw) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == choice.logprobs.tokens
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Once upon", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and "echo" in e.value.body["message"]
