@@ -35,6 +35,7 @@ from kvmesh import __version__
 from kvmesh.cluster.admission import GENERATION_PATHS, Admission, AdmitRequests
 from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.backend import Backend
+from kvmesh.cluster.generate_body import model_not_found
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.http_errors import (
     OVERLOADED_STATUS,
@@ -50,7 +51,7 @@ from kvmesh.cluster.openapi_doc import (
     json_response,
     request_body,
 )
-from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest, model_not_found
+from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.request_parsing import B, parse_body
 
 logger = logging.getLogger(__name__)

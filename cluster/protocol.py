@@ -6,25 +6,19 @@ those it defines but kvmesh does not implement are refused unless they ask for n
 (``unsupported_fields.py``). Ranges of the sampling fields (max_tokens >= 1, 0 < top_p <= 1,
 ...) are checked by ``SamplingParams`` alone, so the Python API and HTTP give the same
 messages; the models only *document* them in their JSON schema (OpenAPI), from the same
-constants (``field_schemas.py``). Errors: ``api_error.py``; responses: ``response_shape.py``.
+constants (``field_schemas.py``). The fields both bodies share: ``generate_body.py``. Errors:
+``api_error.py``; responses: ``response_shape.py``.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-from dataclasses import replace
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from kvmesh.cluster.api_error import ApiError, valid
-from kvmesh.cluster.field_schemas import (
-    LOGIT_BIAS_SCHEMA,
-    LOGPROBS_SCHEMA,
-    PENALTY_SCHEMA,
-    STOP_SCHEMA,
-    schema,
-)
+from kvmesh.cluster.api_error import ApiError
+from kvmesh.cluster.field_schemas import LOGPROBS_SCHEMA, schema
+from kvmesh.cluster.generate_body import MAX_CHOICES, Body, GenerateBody
 from kvmesh.cluster.unsupported_fields import (
     EmptyList,
     NoneChoice,
@@ -35,49 +29,19 @@ from kvmesh.cluster.unsupported_fields import (
     unsupported_doc,
 )
 from kvmesh.workers.chat import ROLES
-from kvmesh.workers.sampling_params import SamplingParams
-
-T = TypeVar("T")
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# Choices in one response: OpenAI's cap on ``n``, and on prompts x n for a completion batch
-# (each choice is a request of its own on the workers; the admission limit counts HTTP
-# requests, so this bounds what one of them brings).
-MAX_CHOICES = 128
 
 
-def model_not_found(model: str, model_name: str) -> ApiError:
-    """The 404 for a model name other than the one served (OpenAI's code for it)."""
-    return ApiError(
-        404,
-        f"model: {model!r} does not exist; this server has {model_name!r}",
-        param="model",
-        code="model_not_found",
-    )
-
-
-class _Body(BaseModel):
-    # No NaN or Infinity (not JSON, though parsers take them) and no 1e400 (parsed as inf).
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
-_SP = SamplingParams
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     # OpenAI's types; json_schema's own fields are not read: only "text" is served.
     type: Literal["text", "json_object", "json_schema"]
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart]
 
@@ -88,195 +52,10 @@ class ChatMessage(_Body):
         return {"role": self.role, "content": text}
 
 
-class _GenerateBody(_Body):
-    """Fields both endpoints share; ``None`` means "the default".
-
-    ``logit_bias`` maps token ids, as JSON's string keys, to biases; it and the penalties
-    (``repetition_penalty``: vLLM's extension) apply as ``workers/penalties.py`` says.
-    ``stream_options`` needs ``stream: true`` (OpenAI's 400 too). ``user`` is accepted and
-    unused (it asks for nothing).
-    """
-
-    # stream_options without stream: true is a 400 (check()); the schema says so too.
-    model_config = ConfigDict(
-        json_schema_extra={
-            "anyOf": [
-                {"properties": {"stream": {"const": True}}, "required": ["stream"]},
-                {"properties": {"stream_options": {"type": "null"}}},
-            ]
-        }
-    )
-
-    PROMPT_FIELD: ClassVar[str]
-    LOGPROBS_FIELD: ClassVar[str]
-    # field -> what kvmesh accepts of an OpenAI field it does not implement
-    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
-
-    model: str | None = None
-    max_tokens: Annotated[int | None, schema("integer", minimum=1)] = Field(
-        None, description="At most the context minus the prompt's tokens."
-    )
-    min_tokens: Annotated[int | None, schema("integer", minimum=0)] = Field(
-        None,
-        description="vLLM's extension: until this many tokens, no EOS, stop token or stop "
-        "string ends the answer; at most max_tokens.",
-    )
-    temperature: Annotated[
-        float | None, schema("number", minimum=0, maximum=_SP.MAX_TEMPERATURE)
-    ] = None
-    top_p: Annotated[float | None, schema("number", exclusiveMinimum=0, maximum=1)] = None
-    # extension (vLLM); -1 means off, as there
-    top_k: Annotated[int | None, schema("integer", minimum=-1, maximum=_SP.MAX_TOP_K)] = Field(
-        None, description="vLLM's extension: -1 or null for off, else at least 1 (0 is refused)."
-    )
-    min_p: Annotated[float | None, schema("number", minimum=0, maximum=1)] = Field(
-        None, description="vLLM's extension: drop tokens less likely than min_p times the top one."
-    )
-    seed: Annotated[int | None, schema("integer", minimum=_SP.SEED_MIN, maximum=_SP.SEED_MAX)] = (
-        None
-    )
-    stop: Annotated[str | list[str] | None, STOP_SCHEMA] = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, schema("integer", nullable=False, minimum=1, maximum=MAX_CHOICES)] = Field(
-        1,
-        description="Choices per prompt; with a seed, choice i samples with seed + i.",
-    )
-    ignore_eos: bool = Field(False, description="vLLM's extension: generate past EOS.")
-    user: str | None = None  # accepted, unused
-    presence_penalty: Annotated[float | None, PENALTY_SCHEMA] = Field(
-        None, description="Subtracted from the logit of every token the output has used."
-    )
-    frequency_penalty: Annotated[float | None, PENALTY_SCHEMA] = Field(
-        None, description="Times the count of a token in the output, subtracted from its logit."
-    )
-    repetition_penalty: Annotated[
-        float | None,
-        schema("number", exclusiveMinimum=0, maximum=_SP.MAX_REPETITION_PENALTY),
-    ] = Field(
-        None,
-        description="vLLM's extension: divides the positive logits (multiplies the negative "
-        "ones) of every token in the prompt or the output; 1 is off.",
-    )
-    logit_bias: Annotated[dict[str, float] | None, LOGIT_BIAS_SCHEMA] = Field(
-        None, description="Token id (a string of digits) -> a bias added to its logit."
-    )
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def max_tokens_field(self) -> str:
-        return "max_tokens"
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    def default_max_tokens(self, room: int) -> int:
-        """max_tokens when the client gave none; ``room`` is what the context has left."""
-        return min(room, COMPLETION_DEFAULT_MAX_TOKENS)
-
-    @abstractmethod
-    def num_logprobs(self) -> int | None:
-        """How many top alternatives to report per token; None for no logprobs (each
-        endpoint spells logprobs its own way)."""
-
-    def num_prompt_logprobs(self) -> int | None:
-        """The same for each prompt token (completions' echo with logprobs); None: none."""
-        return None
-
-    def check(self, model_name: str) -> None:
-        """Checks that need no tokens: the model, n, the fields kvmesh does not implement,
-        stream_options without stream, and top_logprobs without logprobs."""
-        if self.model is not None and self.model != model_name:
-            raise model_not_found(self.model, model_name)
-        if not 1 <= self.n <= MAX_CHOICES:
-            raise ApiError(400, f"n: must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
-        for name, unsupported in self.UNSUPPORTED.items():
-            if not unsupported.is_off(getattr(self, name)):
-                raise unsupported.error(name)
-        if self.stream_options is not None and not self.stream:
-            raise ApiError(
-                400, "stream_options: only allowed with stream: true", param="stream_options"
-            )
-        self.num_logprobs()
-
-    def sampling_params(
-        self, prompt_len: int, max_model_len: int, vocab_size: int
-    ) -> SamplingParams:
-        """Validated SamplingParams whose prompt + max_tokens fit the context and whose
-        logit_bias names tokens of the vocabulary."""
-        kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
-        for name in (
-            "temperature", "top_p", "min_p", "seed", "stop", "min_tokens",
-            "presence_penalty", "frequency_penalty", "repetition_penalty",
-        ):  # fmt: skip
-            if getattr(self, name) is not None:
-                kw[name] = getattr(self, name)
-        if self.logit_bias is not None:
-            kw["logit_bias"] = _token_ids(self.logit_bias, vocab_size)
-        if self.top_k is not None and self.top_k != -1:
-            kw["top_k"] = self.top_k
-        kw["logprobs"] = self.num_logprobs()
-        kw["prompt_logprobs"] = self.num_prompt_logprobs()
-        asked, field = self.requested_max_tokens, self.max_tokens_field
-        # Sampling fields before lengths; a placeholder max_tokens until the length is known.
-        first = asked if asked is not None else max(1, self.min_tokens or 0)
-        rename = {"max_tokens": field, "logprobs": self.LOGPROBS_FIELD}
-        params = valid(lambda: SamplingParams(max_tokens=first, **kw), rename)
-        if prompt_len >= max_model_len:
-            raise ApiError(
-                400,
-                f"{self.PROMPT_FIELD}: {prompt_len} tokens is longer than the context "
-                f"({max_model_len} tokens, one kept for the answer)",
-                param=self.PROMPT_FIELD,
-            )
-        if asked is None:
-            default = self.default_max_tokens(max_model_len - prompt_len)
-            return valid(lambda: replace(params, max_tokens=default), rename)
-        if prompt_len + asked > max_model_len:
-            raise ApiError(
-                400,
-                f"{field}: the prompt's {prompt_len} tokens plus {field} {asked} exceed the "
-                f"context of {max_model_len} tokens",
-                param=field,
-            )
-        return params
-
-    def per_choice(self, params: SamplingParams) -> list[SamplingParams]:
-        """Each of the n choices' params. With a seed, choice i samples with seed + i (as
-        vLLM does; wrapped into the seed's range), so the choices differ and each is what a
-        request of its own with that seed gives."""
-        if params.seed is None:
-            return [params] * self.n
-        lo, span = _SP.SEED_MIN, _SP.SEED_MAX - _SP.SEED_MIN + 1
-        return [replace(params, seed=(params.seed + i - lo) % span + lo) for i in range(self.n)]
-
-
-def _token_ids(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
-    """logit_bias's JSON keys as token ids (ApiError 400 for one that is not an id of the
-    vocabulary)."""
-    out: dict[int, float] = {}
-    for key, bias in logit_bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
-            shown = key if len(key) <= 20 else f"{key[:17]}..."
-            raise ApiError(
-                400,
-                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {shown!r}",
-                param="logit_bias",
-            )
-        if int(key) in out:
-            raise ApiError(400, f"logit_bias: names token {int(key)} twice", param="logit_bias")
-        out[int(key)] = bias
-    return out
-
-
-class ChatCompletionRequest(_GenerateBody):
+class ChatCompletionRequest(GenerateBody):
     """OpenAI's chat completion request.
 
-    Besides the shared fields (``_GenerateBody``), OpenAI's chat fields kvmesh does not
+    Besides the shared fields (``GenerateBody``), OpenAI's chat fields kvmesh does not
     implement are accepted only at a value that asks for nothing, else a 400 naming the field:
     ``response_format`` only ``{"type": "text"}`` or null (no JSON mode, no structured
     outputs); ``tools`` and the deprecated ``functions`` only ``[]`` or null, ``tool_choice``
@@ -287,7 +66,7 @@ class ChatCompletionRequest(_GenerateBody):
 
     PROMPT_FIELD = "messages"
     LOGPROBS_FIELD = "top_logprobs"
-    UNSUPPORTED = _GenerateBody.UNSUPPORTED | {
+    UNSUPPORTED = GenerateBody.UNSUPPORTED | {
         "response_format": Unsupported(
             "JSON mode or structured outputs",
             '{"type": "text"}',
@@ -345,10 +124,10 @@ class ChatCompletionRequest(_GenerateBody):
         return [m.as_dict() for m in self.messages]
 
 
-class CompletionRequest(_GenerateBody):
+class CompletionRequest(GenerateBody):
     """OpenAI's (legacy) completion request.
 
-    Besides the shared fields (``_GenerateBody``), OpenAI's completion fields kvmesh does not
+    Besides the shared fields (``GenerateBody``), OpenAI's completion fields kvmesh does not
     implement are accepted only at a value that asks for nothing, else a 400 naming the field:
     ``best_of`` only 1 or null (below 1 is a 400 for the range), ``suffix`` only null or
     ``""`` (no insertion).
@@ -356,7 +135,7 @@ class CompletionRequest(_GenerateBody):
 
     PROMPT_FIELD = "prompt"
     LOGPROBS_FIELD = "logprobs"
-    UNSUPPORTED = _GenerateBody.UNSUPPORTED | {
+    UNSUPPORTED = GenerateBody.UNSUPPORTED | {
         "best_of": Unsupported("best_of above 1", "1", lambda v: v is None or v == 1),
         "suffix": Unsupported("suffix (insertion)", '""', is_empty),
     }

@@ -11,12 +11,12 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from kvmesh.cluster.api_error import ApiError
+from kvmesh.cluster.generate_body import StreamOptions
 from kvmesh.cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     ResponseFormat,
-    StreamOptions,
     TextPart,
 )
 

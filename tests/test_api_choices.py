@@ -10,8 +10,8 @@ from typing import Any
 import openai
 import pytest
 
+from kvmesh.cluster.generate_body import MAX_CHOICES
 from kvmesh.cluster.local_backend import LocalBackend
-from kvmesh.cluster.protocol import MAX_CHOICES
 from kvmesh.cluster.response_models import (
     ChatCompletionChunk,
     ChatCompletionResponse,
