@@ -36,3 +36,9 @@ LOGIT_BIAS_SCHEMA = schema(
     additionalProperties={"type": "number", "minimum": -_SP.MAX_BIAS, "maximum": _SP.MAX_BIAS},
     maxProperties=_SP.MAX_LOGIT_BIAS,
 )
+STOP_TOKEN_IDS_SCHEMA = schema(
+    "array",
+    items={"type": "integer", "minimum": 0, "maximum": _SP.MAX_TOKEN_ID},
+    maxItems=_SP.MAX_STOP_TOKEN_IDS,
+)
+CACHE_SALT_SCHEMA = schema("string", minLength=1, maxLength=_SP.MAX_CACHE_SALT)

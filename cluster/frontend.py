@@ -36,7 +36,7 @@ from kvmesh.cluster.metrics import tier_totals
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
-from kvmesh.workers.block_hash import block_hashes
+from kvmesh.workers.block_hash import block_hashes, cache_namespace
 from kvmesh.workers.chat import (
     chat_prompt_ids,
     decode,
@@ -144,7 +144,8 @@ class ClusterBackend:
     def _worker_request(
         self, request: GenerateRequest, ids: list[int], resumed: list[int], interval_s: float
     ) -> WorkerRequest:
-        chain = block_hashes([*ids, *resumed], self.config.block_size, self.namespace)
+        namespace = cache_namespace(self.namespace, request.params.cache_salt)
+        chain = block_hashes([*ids, *resumed], self.config.block_size, namespace)
         return WorkerRequest(
             request.request_id,
             ids,

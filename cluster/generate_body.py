@@ -14,9 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.cluster.api_error import ApiError, valid
 from kvmesh.cluster.field_schemas import (
+    CACHE_SALT_SCHEMA,
     LOGIT_BIAS_SCHEMA,
     PENALTY_SCHEMA,
     STOP_SCHEMA,
+    STOP_TOKEN_IDS_SCHEMA,
     schema,
 )
 from kvmesh.cluster.unsupported_fields import Unsupported
@@ -124,6 +126,15 @@ class GenerateBody(Body):
     logit_bias: Annotated[dict[str, float] | None, LOGIT_BIAS_SCHEMA] = Field(
         None, description="Token id (a string of digits) -> a bias added to its logit."
     )
+    stop_token_ids: Annotated[list[int] | None, STOP_TOKEN_IDS_SCHEMA] = Field(
+        None, description="vLLM's extension: token ids that end the answer, as EOS does."
+    )
+    cache_salt: Annotated[str | None, CACHE_SALT_SCHEMA] = Field(
+        None,
+        description="vLLM's extension: the request shares cached KV (on any worker) only with "
+        "requests of the same salt, so tenants that salt their requests apart cannot tell "
+        "from a cache hit's speed what the others sent.",
+    )
 
     @property
     def include_usage(self) -> bool:
@@ -174,7 +185,8 @@ class GenerateBody(Body):
         kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
         for name in (
             "temperature", "top_p", "min_p", "seed", "stop", "min_tokens",
-            "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
+            "cache_salt",
         ):  # fmt: skip
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

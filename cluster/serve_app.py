@@ -85,6 +85,8 @@ _SAMPLING_KEYS = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "stop_token_ids",
+    "cache_salt",
 )
 
 

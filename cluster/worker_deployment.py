@@ -135,7 +135,7 @@ class WorkerDeployment:
             # The router's pending entry is believed only briefly until this worker, which
             # got the request, confirms it (a forged one never is). Nothing waits on it.
             tokens = [*request.prompt_ids, *request.resumed_ids]
-            self.actor.confirm_pending.remote(plan.pending_id, tokens)
+            self.actor.confirm_pending.remote(plan.pending_id, tokens, request.params.cache_salt)
         if plan is not None and plan.wait_for is not None and self.index is not None:
             await self._wait_for_peer(request)
         elif plan is not None and plan.local_blocks:

@@ -8,6 +8,7 @@ from kvmesh.workers.block_hash import (
     BlockHasher,
     ModelFingerprint,
     block_hashes,
+    cache_namespace,
     hash_block,
     namespace_hash,
 )
@@ -37,6 +38,16 @@ def test_hash_depends_on_prefix_namespace_and_extra_keys() -> None:
     assert block_hashes([1, 2, 3, 4], 4, b"model-b") != a[:1]
     assert block_hashes([1, 2, 3, 4], 4, NS, extra_keys=["lora-x"]) != a[:1]
     assert block_hashes([1, 2, 3, 4], 4, NS, extra_keys=[None]) == a[:1]
+
+
+def test_a_cache_salt_roots_a_chain_of_its_own() -> None:
+    ns = b"model"
+    assert cache_namespace(ns, None) == ns  # unsalted hashes are those before salts came
+    tokens = list(range(12))
+    chains = {s: block_hashes(tokens, 4, cache_namespace(ns, s)) for s in (None, "a", "b")}
+    assert len({h for chain in chains.values() for h in chain}) == 9  # no block in common
+    assert block_hashes(tokens, 4, cache_namespace(ns, "a")) == chains["a"]
+    assert cache_namespace(b"other", "a") != cache_namespace(ns, "a")
 
 
 def test_incremental_equals_batch() -> None:

@@ -146,6 +146,23 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     assert cut[0].token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
 
 
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(llm: LLM) -> None:
+    prompt = prompts(seed=41, n=1, shared=24)[0]
+
+    def run(salt: str | None):
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, cache_salt=salt)
+        return llm.generate([prompt], params)[0]
+
+    first = run("alice")
+    again, other, unsalted = run("alice"), run("bob"), run(None)
+    assert first.metrics.num_local_hit_tokens == 0
+    assert again.metrics.num_local_hit_tokens >= 24  # the same salt: every full block of the prompt
+    assert other.metrics.num_local_hit_tokens == 0  # another salt: alice's blocks are not its own
+    assert unsalted.metrics.num_local_hit_tokens == 0
+    assert run("bob").metrics.num_local_hit_tokens >= 24  # bob's own blocks are
+    assert {o.text for o in (first, again, other, unsalted)} == {first.text}
+
+
 def test_stream_concatenates_to_the_final_text(llm: LLM) -> None:
     params = SamplingParams(max_tokens=16, temperature=0)
     deltas = list(llm.stream(["Hi", "there"], params))
@@ -177,6 +194,8 @@ def test_chat_uses_the_template(llm: LLM) -> None:
         ("hi", {"top_p": 0.0}, "top_p"),
         ("hi", {"top_p": 1.5}, "top_p"),
         ("hi", {"top_k": 0}, "top_k"),
+        ("hi", {"cache_salt": ""}, "cache_salt"),
+        ("hi", {"cache_salt": 5}, "cache_salt"),
         ("x" * 3000, {}, "prompt"),
         ("hi", {"max_tokens": 5000}, "max_tokens"),
         ([1, 2, 99999], {}, "prompt"),

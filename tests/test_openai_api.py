@@ -108,6 +108,38 @@ def test_repeated_long_prompt_is_cached(client: openai.OpenAI) -> None:
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
+def test_a_cache_salt_hits_only_its_own_salt(client: openai.OpenAI) -> None:
+    # A completion: a chat's template would start it with blocks every other chat has.
+    prompt = "Salt keeps the fish. " * 8
+
+    def ask(salt: str | None) -> Any:
+        extra = {"ignore_eos": True} if salt is None else {"ignore_eos": True, "cache_salt": salt}
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=12, extra_body=extra
+        )
+        out.kvmesh = out.model_extra["kvmesh"]
+        return out
+
+    first, again, other, unsalted = ask("alice"), ask("alice"), ask("bob"), ask(None)
+    assert first.kvmesh["local_hit_tokens"] == 0
+    assert again.kvmesh["local_hit_tokens"] > 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    for out in (other, unsalted):
+        assert out.kvmesh["local_hit_tokens"] == 0, out.kvmesh
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
+    texts = {o.choices[0].text for o in (first, again, other, unsalted)}
+    assert len(texts) == 1
+
+
+def test_stop_token_ids_end_the_answer(client: openai.OpenAI) -> None:
+    # A bias of 100 makes token 42 every pick; as a stop token it ends the answer at once.
+    forced = {"model": MODEL, "prompt": "The", "max_tokens": 8, "logit_bias": {"42": 100}}
+    free = client.completions.create(**forced)
+    cut = client.completions.create(**forced, extra_body={"stop_token_ids": [7, 42]})
+    assert (free.usage.completion_tokens, free.choices[0].finish_reason) == (8, "length")
+    assert (cut.usage.completion_tokens, cut.choices[0].finish_reason) == (1, "stop")
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -164,6 +196,10 @@ BAD_INPUT: dict[str, tuple[Any, ...]] = {  # case: ((path, body), param[, status
         PART + ".text",
     ),
     "completion logprobs -1": (complete(logprobs=-1), "logprobs"),
+    "empty cache_salt": (chat(cache_salt=""), "cache_salt"),
+    "cache_salt a number": (complete(cache_salt=7), "cache_salt"),
+    "stop_token_ids not a list": (chat(stop_token_ids=5), "stop_token_ids"),
+    "stop_token_id negative": (complete(stop_token_ids=[-1]), "stop_token_ids"),
 }
 
 

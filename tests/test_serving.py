@@ -98,6 +98,38 @@ def test_round_robin_second_request_pulls(unified) -> None:
     assert total == outs[1].usage.prompt_tokens
 
 
+def test_a_cache_salt_pulls_only_its_own_salts_blocks(unified) -> None:
+    handle, client, config = unified
+    prompt = "Salted soup and salted bread for the salted fish. " * 5
+
+    def ask(salt: str | None) -> tuple[str, dict]:
+        out = client.completions.create(
+            model=config.model_name,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_body={} if salt is None else {"cache_salt": salt},
+        )
+        return out.choices[0].text, out.model_extra["kvmesh"]
+
+    text, _ = ask("alice")
+    # Round robin: the next two take turns on the two workers, and each finds alice's
+    # blocks, pulled from the peer where it did not compute them.
+    again = [ask("alice")[1] for _ in range(2)]
+    assert all(k["local_hit_tokens"] + k["pulled_tokens"] > 0 for k in again), again
+    assert any(k["pulled_tokens"] > 0 for k in again), again
+    # Another salt, or none: alice's blocks are on both workers, and none of them is theirs.
+    for salt in ("bob", None):
+        got, kv = ask(salt)
+        assert got == text and kv["local_hit_tokens"] == kv["pulled_tokens"] == 0, (salt, kv)
+    got, kv = ask("bob")  # bob's own blocks are found, on either worker
+    assert got == text and kv["local_hit_tokens"] + kv["pulled_tokens"] > 0, kv
+    # The handle takes the salt too.
+    req = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "cache_salt": "alice"}
+    kv = handle.generate.remote(req).result(timeout_s=60)["kvmesh"]
+    assert kv["local_hit_tokens"] + kv["pulled_tokens"] > 0, kv
+
+
 def test_handle_generate_and_stream(unified, reference: LLM) -> None:
     handle, _, _ = unified
     req = {"prompt": list(range(1, 40)), "max_tokens": 6, "temperature": 0}

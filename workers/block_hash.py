@@ -30,6 +30,17 @@ def namespace_hash(namespace: bytes) -> BlockHash:
     return _digest(("kvmesh-block-hash", HASH_VERSION, namespace))
 
 
+def cache_namespace(namespace: bytes, cache_salt: str | None) -> bytes:
+    """The namespace a request's blocks hash in: the model's own, or with a cache salt (vLLM's
+    ``cache_salt``) one of that salt's, so requests whose salts differ (or one has none) never
+    share a block anywhere: not in a pool, the index, a peer's pull or a tier. Tenants that do
+    not trust each other salt their requests, and nobody can tell from a hit's speed what the
+    others sent."""
+    if cache_salt is None:
+        return namespace
+    return msgpack.packb(["kvmesh-cache-salt", namespace, cache_salt], use_bin_type=True)
+
+
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: Any = None) -> BlockHash:
     """``H(parent, tokens, extra)``; ``extra`` must be msgpack-able (e.g. a LoRA name)."""
     return _digest((parent, list(tokens), extra))

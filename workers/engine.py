@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.workers.attention import get_attn_backend
-from kvmesh.workers.block_hash import ModelFingerprint
+from kvmesh.workers.block_hash import ModelFingerprint, cache_namespace
 from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.cpu_attention import KERNEL_NUMERICS
 from kvmesh.workers.cpu_kernels import kernel_library
@@ -247,7 +247,7 @@ class LLMEngine:
             rid,
             token_ids,
             self.config.block_size,
-            self.fingerprint.namespace,
+            cache_namespace(self.fingerprint.namespace, params.cache_salt),
             params,
             resumed,
             pull_plan,

@@ -24,6 +24,10 @@ values with the same message ("field: why, got value"). The caps, and why:
 - ``presence_penalty``, ``frequency_penalty``: finite numbers in [-2, 2] (OpenAI's range).
 - ``repetition_penalty``: a finite number in (0, 2] (1 is off; vLLM only asks for > 0, but
   past 2 a model's every seen token is all but banned).
+- ``cache_salt``: None or a string of 1 to 1,024 characters (vLLM's; not a sampling knob, but
+  it travels with the params to every worker that hashes the request's blocks): the request's
+  blocks hash in a namespace of that salt's (``block_hash.cache_namespace``), so it shares
+  cached KV only with requests of the same salt.
 - ``logit_bias``: at most 1,024 token ids, each in [0, 2**31), with biases in [-100, 100]
   (OpenAI's range); the engine checks the ids against the vocabulary.
 """
@@ -63,6 +67,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs; a {token id: bias} dict is taken too.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    cache_salt: str | None = None
 
     MAX_TEMPERATURE = 2.0
     MIN_SAMPLING_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
@@ -78,6 +83,7 @@ class SamplingParams:
     MAX_REPETITION_PENALTY = 2.0
     MAX_LOGIT_BIAS = 1024
     MAX_BIAS = 100.0
+    MAX_CACHE_SALT = 1024
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) the way vLLM users write them.
@@ -160,6 +166,12 @@ class SamplingParams:
                 f"must be a finite number in (0, {self.MAX_REPETITION_PENALTY:g}] (1 is off)",
             )
         self._validate_logit_bias(bad)
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT
+        ):
+            raise bad(
+                "cache_salt", f"must be a string of 1 to {self.MAX_CACHE_SALT} characters or None"
+            )
 
     def _validate_logit_bias(self, bad: Callable[[str, str], ValueError]) -> None:
         pairs = self.logit_bias

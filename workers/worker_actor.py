@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from kvmesh.workers.block_hash import BlockHash, block_hashes
+from kvmesh.workers.block_hash import BlockHash, block_hashes, cache_namespace
 from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.sampling_params import SamplingParams
@@ -144,12 +144,16 @@ class WorkerActor:
         return self.worker.occupancy()
 
     @_control
-    def confirm_pending(self, pending_id: int, token_ids: Sequence[int]) -> bool:
+    def confirm_pending(
+        self, pending_id: int, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> bool:
         """A router's pending entry says this worker computes the prompt ``token_ids`` (its
-        resumed tokens included) now: the connector confirms it with the hashes of those
-        tokens, hashed here, so an entry for blocks this worker was not sent stays brief."""
+        resumed tokens included; ``cache_salt`` the request's) now: the connector confirms it
+        with the hashes of those tokens, hashed here, so an entry for blocks this worker was
+        not sent stays brief."""
         eng = self.worker.engine
-        hashes = block_hashes(token_ids, eng.config.block_size, eng.fingerprint.namespace)
+        namespace = cache_namespace(eng.fingerprint.namespace, cache_salt)
+        hashes = block_hashes(token_ids, eng.config.block_size, namespace)
         return self.worker.kv.connector.confirm_pending(pending_id, hashes)
 
     @_control
