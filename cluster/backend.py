@@ -138,8 +138,10 @@ class Backend(Protocol):
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a completion prompt (ValueError naming ``prompt`` on bad input)."""
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the chat template applied to ``messages`` plus the assistant turn."""
+    def tokenize_chat(self, messages: list[dict[str, str]], **template: bool) -> list[int]:
+        """Token ids of the chat template applied to ``messages`` plus the assistant turn;
+        ``template``: ``chat_prompt_ids``'s ``add_generation_prompt`` and
+        ``continue_final_message``."""
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (for logprobs)."""

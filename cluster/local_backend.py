@@ -64,8 +64,8 @@ class LocalBackend:
         """The ids the engine will see for ``prompt`` (what ``make_request`` computes)."""
         return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages)
+    def tokenize_chat(self, messages: list[dict[str, str]], **template: bool) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, **template)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         return token_texts(self.tokenizer, ids)
@@ -127,7 +127,9 @@ class LocalBackend:
 
         try:
             prompt: str | list[int]
-            if request.messages is not None:
+            if request.prompt_ids is not None:  # tokenized once, by the HTTP layer
+                prompt = list(request.prompt_ids)
+            elif request.messages is not None:
                 prompt = self.tokenize_chat(request.messages)
             else:
                 assert request.prompt is not None

@@ -26,7 +26,11 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
     """A chat body's choices (ApiError 400 when the model, template or sampling is wrong)."""
     body.check(model_name)
     messages = body.message_dicts()
-    ids = await asyncio.to_thread(_chat_ids, backend, messages)
+    template = {
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+    }
+    ids = await asyncio.to_thread(_chat_ids, backend, messages, template)
     params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = body.per_choice(params)
@@ -75,8 +79,10 @@ def _choice_requests(
     ]
 
 
-def _chat_ids(backend: Backend, messages: list[dict[str, str]]) -> list[int]:
+def _chat_ids(
+    backend: Backend, messages: list[dict[str, str]], template: dict[str, bool]
+) -> list[int]:
     try:
-        return valid(lambda: backend.tokenize_chat(messages))
+        return valid(lambda: backend.tokenize_chat(messages, **template))
     except jinja2.TemplateError as e:  # templates that raise, e.g. on roles out of order
         raise ApiError(400, f"messages: {e}", param="messages") from None

@@ -28,6 +28,7 @@ from kvmesh.cluster.unsupported_fields import (
     only,
     unsupported_doc,
 )
+from kvmesh.cluster.vllm_extras import ChatVllmExtras, VllmExtras
 from kvmesh.workers.chat import ROLES
 
 
@@ -52,7 +53,19 @@ class ChatMessage(Body):
         return {"role": self.role, "content": text}
 
 
-class ChatCompletionRequest(GenerateBody):
+# JSON mode: refused on both routes (vLLM takes response_format on completions too).
+RESPONSE_FORMAT = Unsupported(
+    "JSON mode or structured outputs",
+    '{"type": "text"}',
+    lambda v: v is None or v.type == "text",
+)
+ResponseFormatField = Annotated[
+    ResponseFormat | None,
+    only({"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}),
+]
+
+
+class ChatCompletionRequest(GenerateBody, VllmExtras, ChatVllmExtras):
     """OpenAI's chat completion request.
 
     Besides the shared fields (``GenerateBody``), OpenAI's chat fields kvmesh does not
@@ -61,39 +74,45 @@ class ChatCompletionRequest(GenerateBody):
     outputs); ``tools`` and the deprecated ``functions`` only ``[]`` or null, ``tool_choice``
     and ``function_call`` only ``"none"`` or null (no tool calls: OpenAI and vLLM refuse a
     tool_choice without tools too). ``parallel_tool_calls`` is accepted at any boolean: with
-    no tools it asks for nothing.
+    no tools it asks for nothing. vLLM's extensions kvmesh does not implement: the same
+    (``vllm_extras.py``). vLLM's ``add_generation_prompt`` and ``continue_final_message`` are
+    served (the chat template's own options).
     """
 
     PROMPT_FIELD = "messages"
     LOGPROBS_FIELD = "top_logprobs"
-    UNSUPPORTED = GenerateBody.UNSUPPORTED | {
-        "response_format": Unsupported(
-            "JSON mode or structured outputs",
-            '{"type": "text"}',
-            lambda v: v is None or v.type == "text",
-        ),
-        "tools": Unsupported("tool calls", "[]", is_empty),
-        "tool_choice": Unsupported("tool calls", '"none"', is_none_choice),
-        "functions": Unsupported("function calls", "[]", is_empty),
-        "function_call": Unsupported("function calls", '"none"', is_none_choice),
-    }
+    UNSUPPORTED = (
+        GenerateBody.UNSUPPORTED
+        | VllmExtras.VLLM_UNSUPPORTED
+        | ChatVllmExtras.VLLM_UNSUPPORTED
+        | {
+            "response_format": RESPONSE_FORMAT,
+            "tools": Unsupported("tool calls", "[]", is_empty),
+            "tool_choice": Unsupported("tool calls", '"none"', is_none_choice),
+            "functions": Unsupported("function calls", "[]", is_empty),
+            "function_call": Unsupported("function calls", '"none"', is_none_choice),
+        }
+    )
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = Field(
+        True,
+        description="vLLM's extension: end the prompt with the assistant turn's start (the "
+        "chat template's).",
+    )
+    continue_final_message: bool = Field(
+        False,
+        description="vLLM's extension: leave the last message open, so the answer goes on "
+        "with it (a reply begun for the model); needs add_generation_prompt: false.",
+    )
     # OpenAI's newer name; wins over max_tokens
     max_completion_tokens: Annotated[int | None, schema("integer", minimum=1)] = None
     logprobs: bool = False
     top_logprobs: Annotated[int | None, LOGPROBS_SCHEMA] = Field(
         None, description="Needs logprobs: true."
     )
-    response_format: Annotated[
-        ResponseFormat | None,
-        only(
-            {
-                "type": "object",
-                "properties": {"type": {"const": "text"}},
-                "required": ["type"],
-            }
-        ),
-    ] = Field(None, description=unsupported_doc('{"type": "text"}'))
+    response_format: ResponseFormatField = Field(
+        None, description=unsupported_doc('{"type": "text"}')
+    )
     tools: EmptyList = Field(None, description=unsupported_doc("[]"))
     tool_choice: NoneChoice = Field(None, description=unsupported_doc('"none"'))
     parallel_tool_calls: bool | None = Field(
@@ -124,21 +143,28 @@ class ChatCompletionRequest(GenerateBody):
         return [m.as_dict() for m in self.messages]
 
 
-class CompletionRequest(GenerateBody):
+class CompletionRequest(GenerateBody, VllmExtras):
     """OpenAI's (legacy) completion request.
 
     Besides the shared fields (``GenerateBody``), OpenAI's completion fields kvmesh does not
     implement are accepted only at a value that asks for nothing, else a 400 naming the field:
     ``best_of`` only 1 or null (below 1 is a 400 for the range), ``suffix`` only null or
-    ``""`` (no insertion).
+    ``""`` (no insertion); vLLM's ``response_format`` (JSON mode) only ``{"type": "text"}`` or
+    null, and its other extensions kvmesh does not implement the same way
+    (``vllm_extras.py``).
     """
 
     PROMPT_FIELD = "prompt"
     LOGPROBS_FIELD = "logprobs"
-    UNSUPPORTED = GenerateBody.UNSUPPORTED | {
-        "best_of": Unsupported("best_of above 1", "1", lambda v: v is None or v == 1),
-        "suffix": Unsupported("suffix (insertion)", '""', is_empty),
-    }
+    UNSUPPORTED = (
+        GenerateBody.UNSUPPORTED
+        | VllmExtras.VLLM_UNSUPPORTED
+        | {
+            "best_of": Unsupported("best_of above 1", "1", lambda v: v is None or v == 1),
+            "suffix": Unsupported("suffix (insertion)", '""', is_empty),
+            "response_format": RESPONSE_FORMAT,
+        }
+    )
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description=f"Text or token ids, or a batch of either: prompts x n at most {MAX_CHOICES}."
     )
@@ -159,6 +185,9 @@ class CompletionRequest(GenerateBody):
     )
     suffix: Annotated[str | None, only({"const": ""})] = Field(
         None, description=unsupported_doc('""')
+    )
+    response_format: ResponseFormatField = Field(
+        None, description=unsupported_doc('{"type": "text"}', " vLLM's extension.")
     )
 
     def num_logprobs(self) -> int | None:

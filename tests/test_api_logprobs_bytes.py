@@ -165,8 +165,8 @@ class Replay:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return chat.prompt_token_ids(self.tokenizer, prompt, len(self.tokenizer))
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat.chat_prompt_ids(self.tokenizer, messages)
+    def tokenize_chat(self, messages: list[dict[str, str]], **template: bool) -> list[int]:
+        return chat.chat_prompt_ids(self.tokenizer, messages, **template)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         return chat.token_texts(self.tokenizer, ids)

@@ -43,7 +43,49 @@ FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
     ),
     "functions (deprecated)": (chat, "functions", [[TOOL["function"]]], [[], None]),
     "function_call (deprecated)": (chat, "function_call", ["auto", {"name": "f"}], ["none", None]),
+    "completions' response_format (vLLM's)": (
+        complete,
+        "response_format",
+        [{"type": "json_object"}],
+        [{"type": "text"}, None],
+    ),
 }
+# vLLM's extensions kvmesh does not implement (vllm_extras.py): refused the same way, on both
+# routes unless chat's alone, rather than ignored as unknown fields are.
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+VLLM_FIELDS: dict[str, tuple[list[Any], list[Any]]] = {  # field: (refused, accepted)
+    "use_beam_search": ([True], [False, None]),
+    "length_penalty": ([0.5, 2], [1, 1.0, None]),
+    "include_stop_str_in_output": ([True], [False, None]),
+    "skip_special_tokens": ([False], [True, None]),
+    "truncate_prompt_tokens": ([8, -1], [None]),
+    "allowed_token_ids": ([[1, 2], []], [None]),
+    "bad_words": ([["the"]], [[], None]),
+    "logits_processors": ([["my.module:Proc"]], [[], None]),
+    "guided_json": ([SCHEMA, '{"type": "object"}'], [None]),
+    "guided_regex": (["[a-z]+"], [None]),
+    "guided_choice": ([["yes", "no"]], [None]),
+    "guided_grammar": (["root ::= 'a'"], [None]),
+    "structural_tag": (["{}"], [None]),
+    "structured_outputs": ([{"json": SCHEMA}], [None]),
+    "priority": ([1, -5], [0, None]),
+    "prompt_logprobs": ([0, 5], [None]),
+    "return_tokens_as_token_ids": ([True], [False, None]),
+    "kv_transfer_params": ([{"do_remote_prefill": True}], [None]),
+    "vllm_xargs": ([{"k": 1}], [{}, None]),
+}
+for _field, (_refused, _accepted) in VLLM_FIELDS.items():
+    for _make in (chat, complete):
+        FIELDS[f"{_field} ({_make.__name__})"] = (_make, _field, _refused, _accepted)
+for _field, (_refused, _accepted) in {
+    "echo": ([True], [False, None]),
+    "chat_template": (["{{ messages }}"], [None]),
+    "chat_template_kwargs": ([{"enable_thinking": False}], [{}, None]),
+    "documents": ([[{"title": "t", "text": "x"}]], [[], None]),
+    "mm_processor_kwargs": ([{"k": 1}], [{}, None]),
+    "add_special_tokens": ([True], [False, None]),
+}.items():
+    FIELDS[f"{_field} (chat)"] = (chat, _field, _refused, _accepted)
 
 
 @pytest.mark.parametrize("case", FIELDS)

@@ -131,6 +131,34 @@ def test_a_cache_salt_hits_only_its_own_salt(client: openai.OpenAI) -> None:
     assert len(texts) == 1
 
 
+def test_a_chat_can_continue_its_final_message(
+    client: openai.OpenAI, backend: LocalBackend
+) -> None:
+    def ask(messages: list, **extra: bool) -> Any:
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=12,
+            extra_body={"ignore_eos": True, **extra},
+        )  # fmt: skip
+
+    begun = [*USER, {"role": "assistant", "content": "Here is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = backend.tokenize_chat(begun, **options)
+    # The template's text ends with the begun reply, no end of turn and no new turn after it.
+    assert backend.tokenizer.decode(ids).endswith("Here is")
+    assert ids != backend.tokenize_chat(begun)  # by default a new assistant turn starts
+    cont = ask(begun, **options)
+    same = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    assert cont.usage.prompt_tokens == len(ids)
+    assert cont.choices[0].message.content == same.choices[0].text
+    # Without the generation prompt: the messages' own template, the answer after it.
+    plain = backend.tokenize_chat(USER, add_generation_prompt=False)
+    out = ask(USER, add_generation_prompt=False)
+    assert out.usage.prompt_tokens == len(plain) < len(backend.tokenize_chat(USER))
+    with pytest.raises(openai.BadRequestError) as both:
+        ask(begun, continue_final_message=True)
+    assert both.value.param == "continue_final_message"
+
+
 def test_stop_token_ids_end_the_answer(client: openai.OpenAI) -> None:
     # A bias of 100 makes token 42 every pick; as a stop token it ends the answer at once.
     forced = {"model": MODEL, "prompt": "The", "max_tokens": 8, "logit_bias": {"42": 100}}
@@ -336,7 +364,7 @@ class Broken:
     def tokenize(self, prompt: Any) -> list[int]:
         return [1, 2, 3]
 
-    def tokenize_chat(self, messages: Any) -> list[int]:
+    def tokenize_chat(self, messages: Any, **template: bool) -> list[int]:
         return [1, 2, 3]
 
     async def generate(self, request: GenerateRequest) -> Completion:

@@ -14,10 +14,21 @@ from typing import Any
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids the chat template gives for ``messages`` plus the assistant turn's start.
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Token ids the chat template gives for ``messages`` plus, with ``add_generation_prompt``
+    (the default), the assistant turn's start; with ``continue_final_message`` instead, the last
+    message is left open, so the answer goes on with it (vLLM's options, the template's own:
+    a reply begun for the model, e.g. "{" before a JSON answer).
 
-    Raises ValueError naming ``messages`` (or ``messages[i]``) for an empty or malformed list.
+    Raises ValueError naming ``messages`` (or ``messages[i]``) for an empty or malformed list,
+    and ``continue_final_message`` with ``add_generation_prompt`` or where the template does
+    not end with the last message's text.
     """
     if not isinstance(messages, list | tuple) or not messages:
         raise ValueError("messages: must be a non-empty list")
@@ -29,11 +40,25 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[
             raise ValueError(f"messages[{i}].role: must be one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content: must be a string")
-    text = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message: continues the last message, so it needs "
+            "add_generation_prompt: false (a new turn's start)"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except ValueError:  # transformers: the final message's text is not where it should be
+        if not continue_final_message:
+            raise
+        raise ValueError(
+            "continue_final_message: the chat template does not end with the last message's "
+            "text (is it empty?)"
+        ) from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -1,0 +1,137 @@
+"""vLLM's extension fields of the OpenAI bodies that kvmesh does not implement (guided
+decoding, beam search, prompt truncation, ...): declared so that they are refused with a 400
+naming the field unless they ask for nothing, as OpenAI's own unimplemented fields are
+(``unsupported_fields.py``). A client written for vLLM that sends one would otherwise get an
+answer silently other than it asked for: unconstrained text for ``guided_json``, a kept prompt
+for ``truncate_prompt_tokens``. The extensions kvmesh serves (``top_k``, ``min_p``,
+``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
+chat's ``add_generation_prompt`` / ``continue_final_message``) are the bodies' own fields;
+those that ask for nothing whatever their value (``guided_decoding_backend``,
+``spaces_between_special_tokens`` with special tokens skipped) stay ignored extras.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Field
+
+from kvmesh.cluster.generate_body import Body
+from kvmesh.cluster.unsupported_fields import Unsupported, is_empty, only, unsupported_doc
+
+
+def _is_null(v: Any) -> bool:
+    return v is None
+
+
+def _is_false(v: Any) -> bool:
+    return v is None or v is False
+
+
+NULL_ONLY = only()
+FALSE_ONLY = only({"const": False})
+EMPTY_ARRAY = only({"type": "array", "maxItems": 0})
+EMPTY_OBJECT = only({"type": "object", "maxProperties": 0})
+STRUCTURED = Unsupported("structured outputs (guided decoding)", "null", _is_null)
+
+
+def _doc(accepted: str) -> str:
+    return unsupported_doc(accepted, " vLLM's extension.")
+
+
+class VllmExtras(Body):
+    """vLLM's extensions of both bodies that kvmesh does not implement."""
+
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        "use_beam_search": Unsupported("beam search", "false", _is_false),
+        "length_penalty": Unsupported(
+            "length_penalty (beam search)", "1", lambda v: v is None or v == 1
+        ),
+        "include_stop_str_in_output": Unsupported(
+            "keeping the stop string in the output", "false", _is_false
+        ),
+        "skip_special_tokens": Unsupported(
+            "special tokens in the text", "true", lambda v: v is None or v is True
+        ),
+        "truncate_prompt_tokens": Unsupported("prompt truncation", "null", _is_null),
+        "allowed_token_ids": Unsupported("allowed_token_ids", "null", _is_null),
+        "bad_words": Unsupported("bad_words", "[]", is_empty),
+        "logits_processors": Unsupported("logits processors", "[]", is_empty),
+        "guided_json": STRUCTURED,
+        "guided_regex": STRUCTURED,
+        "guided_choice": STRUCTURED,
+        "guided_grammar": STRUCTURED,
+        "structural_tag": STRUCTURED,
+        "structured_outputs": STRUCTURED,
+        "priority": Unsupported("priority scheduling", "0", lambda v: v is None or v == 0),
+        "prompt_logprobs": Unsupported(
+            "prompt_logprobs over HTTP (completions' echo with logprobs gives a prompt's)",
+            "null",
+            _is_null,
+        ),
+        "return_tokens_as_token_ids": Unsupported("return_tokens_as_token_ids", "false", _is_false),
+        "kv_transfer_params": Unsupported(
+            "kv_transfer_params (kvmesh moves KV between its workers itself)", "null", _is_null
+        ),
+        "vllm_xargs": Unsupported("vllm_xargs", "{}", is_empty),
+    }
+
+    use_beam_search: Annotated[bool | None, FALSE_ONLY] = Field(None, description=_doc("false"))
+    length_penalty: Annotated[float | None, only({"const": 1})] = Field(None, description=_doc("1"))
+    include_stop_str_in_output: Annotated[bool | None, FALSE_ONLY] = Field(
+        None, description=_doc("false")
+    )
+    skip_special_tokens: Annotated[bool | None, only({"const": True})] = Field(
+        None, description=_doc("true")
+    )
+    truncate_prompt_tokens: Annotated[int | None, NULL_ONLY] = Field(None, description=_doc("null"))
+    allowed_token_ids: Annotated[list[int] | None, NULL_ONLY] = Field(
+        None, description=_doc("null")
+    )
+    bad_words: Annotated[list[str] | None, EMPTY_ARRAY] = Field(None, description=_doc("[]"))
+    logits_processors: Annotated[list[Any] | None, EMPTY_ARRAY] = Field(
+        None, description=_doc("[]")
+    )
+    guided_json: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
+    guided_regex: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
+    guided_choice: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
+    guided_grammar: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
+    structural_tag: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
+    structured_outputs: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
+    priority: Annotated[int | None, only({"const": 0})] = Field(None, description=_doc("0"))
+    prompt_logprobs: Annotated[int | None, NULL_ONLY] = Field(None, description=_doc("null"))
+    return_tokens_as_token_ids: Annotated[bool | None, FALSE_ONLY] = Field(
+        None, description=_doc("false")
+    )
+    kv_transfer_params: Annotated[dict[str, Any] | None, NULL_ONLY] = Field(
+        None, description=_doc("null")
+    )
+    vllm_xargs: Annotated[dict[str, Any] | None, EMPTY_OBJECT] = Field(None, description=_doc("{}"))
+
+
+class ChatVllmExtras(Body):
+    """vLLM's extensions of the chat body that kvmesh does not implement."""
+
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        "echo": Unsupported("echo in chat (completions' echo is served)", "false", _is_false),
+        "chat_template": Unsupported(
+            "a chat template in the request (the model's own is used)", "null", _is_null
+        ),
+        "chat_template_kwargs": Unsupported("chat_template_kwargs", "{}", is_empty),
+        "documents": Unsupported("documents", "[]", is_empty),
+        "mm_processor_kwargs": Unsupported("mm_processor_kwargs", "{}", is_empty),
+        "add_special_tokens": Unsupported(
+            "add_special_tokens in chat (the template has the special tokens)", "false", _is_false
+        ),
+    }
+
+    echo: Annotated[bool | None, FALSE_ONLY] = Field(None, description=_doc("false"))
+    chat_template: Annotated[str | None, NULL_ONLY] = Field(None, description=_doc("null"))
+    chat_template_kwargs: Annotated[dict[str, Any] | None, EMPTY_OBJECT] = Field(
+        None, description=_doc("{}")
+    )
+    documents: Annotated[list[Any] | None, EMPTY_ARRAY] = Field(None, description=_doc("[]"))
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, EMPTY_OBJECT] = Field(
+        None, description=_doc("{}")
+    )
+    add_special_tokens: Annotated[bool | None, FALSE_ONLY] = Field(None, description=_doc("false"))
