@@ -119,7 +119,13 @@ def test_streamed_echo_equals_the_whole(client: openai.OpenAI) -> None:
         assert choice.text.startswith(["Once upon", "A b"][choice.index // 2])
         lps = [p.logprobs for p in pieces if p.logprobs is not None]
         assert [t for p in lps for t in p.tokens] == choice.logprobs.tokens
-        assert [t for p in lps for t in p.token_logprobs] == choice.logprobs.token_logprobs
+        # The two runs batch the four choices as their arrivals fall: tiny-random's float32
+        # matmuls round a row's last bits by its batch (smollm2's quantized ones do not).
+        got, want = [t for p in lps for t in p.token_logprobs], choice.logprobs.token_logprobs
+        assert [t is None for t in got] == [t is None for t in want]  # the first prompt token
+        assert [t for t in got if t is not None] == pytest.approx(
+            [t for t in want if t is not None], rel=1e-5
+        )
         assert [o for p in lps for o in p.text_offset] == choice.logprobs.text_offset
 
 
