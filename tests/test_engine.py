@@ -182,6 +182,17 @@ def test_chat_uses_the_template(llm: LLM) -> None:
     assert llm.tokenizer.decode(ids) == text
     out = llm.chat(conv, SamplingParams(max_tokens=4, temperature=0))[0]
     assert out.prompt_token_ids == ids
+    # vLLM's options: the last message left open, the reply goes on with it.
+    begun = [*conv, {"role": "assistant", "content": "Hello"}]
+    cont = llm.chat(
+        begun,
+        SamplingParams(max_tokens=4, temperature=0),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
+    assert llm.tokenizer.decode(cont.prompt_token_ids).endswith("assistant\nHello")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(begun, continue_final_message=True)  # with add_generation_prompt's default
 
 
 @pytest.mark.parametrize(

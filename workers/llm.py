@@ -98,16 +98,26 @@ class LLM:
         self,
         conversations: Sequence[Message] | Sequence[Sequence[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate the reply."""
+        """Apply the model's chat template to each conversation and generate the reply (or,
+        with ``continue_final_message`` and ``add_generation_prompt=False``, the rest of the
+        last message: vLLM's ``LLM.chat`` options)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.chat_prompt(c) for c in conversations]  # type: ignore[arg-type]
+        template = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        prompts = [self.chat_prompt(c, **template) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params)
 
-    def chat_prompt(self, messages: Sequence[Message]) -> list[int]:
-        """The token ids the chat template gives for ``messages`` plus the assistant turn."""
-        return chat_prompt_ids(self.tokenizer, messages)
+    def chat_prompt(self, messages: Sequence[Message], **template: bool) -> list[int]:
+        """The token ids the chat template gives for ``messages`` plus the assistant turn
+        (``template``: ``chat_prompt_ids``'s options)."""
+        return chat_prompt_ids(self.tokenizer, messages, **template)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
