@@ -341,6 +341,12 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
         assert kv["prefill_worker"].startswith("prefill-")
         assert kv["worker"].startswith("decode-")
         assert kv["pulled_tokens"] == (len(ids) - 1) // 4 * 4  # only the last block recomputed
+        # A salted request: both sides hash its blocks in its salt's namespace, so the decode
+        # worker pulls what the prefill worker computed (the unsalted blocks are not its).
+        salted = handle.generate.remote({**req, "cache_salt": "s"}).result()
+        assert salted["token_ids"] == want.token_ids
+        assert salted["kvmesh"]["pulled_tokens"] == kv["pulled_tokens"], salted["kvmesh"]
+        assert salted["kvmesh"]["prefill_worker"] == kv["prefill_worker"]
 
         kill_worker(kv["prefill_worker"])
         # Serve has noticed the loss and starts a replacement: no prefill replica runs.
