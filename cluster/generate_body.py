@@ -101,6 +101,9 @@ class GenerateBody(Body):
         None
     )
     stop: Annotated[str | list[str] | None, STOP_SCHEMA] = None
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM's extension: the text ends with the stop string that ended it."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, schema("integer", nullable=False, minimum=1, maximum=MAX_CHOICES)] = Field(
@@ -186,7 +189,7 @@ class GenerateBody(Body):
         for name in (
             "temperature", "top_p", "min_p", "seed", "stop", "min_tokens",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
-            "cache_salt",
+            "cache_salt", "include_stop_str_in_output",
         ):  # fmt: skip
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

@@ -78,6 +78,7 @@ _SAMPLING_KEYS = (
     "min_p",
     "seed",
     "stop",
+    "include_stop_str_in_output",
     "ignore_eos",
     "logprobs",
     "prompt_logprobs",

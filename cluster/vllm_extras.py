@@ -4,7 +4,8 @@ naming the field unless they ask for nothing, as OpenAI's own unimplemented fiel
 (``unsupported_fields.py``). A client written for vLLM that sends one would otherwise get an
 answer silently other than it asked for: unconstrained text for ``guided_json``, a kept prompt
 for ``truncate_prompt_tokens``. The extensions kvmesh serves (``top_k``, ``min_p``,
-``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
+``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``ignore_eos``, ``cache_salt``,
 chat's ``add_generation_prompt`` / ``continue_final_message``) are the bodies' own fields;
 those that ask for nothing whatever their value (``guided_decoding_backend``,
 ``spaces_between_special_tokens`` with special tokens skipped) stay ignored extras.
@@ -47,9 +48,6 @@ class VllmExtras(Body):
         "length_penalty": Unsupported(
             "length_penalty (beam search)", "1", lambda v: v is None or v == 1
         ),
-        "include_stop_str_in_output": Unsupported(
-            "keeping the stop string in the output", "false", _is_false
-        ),
         "skip_special_tokens": Unsupported(
             "special tokens in the text", "true", lambda v: v is None or v is True
         ),
@@ -78,9 +76,6 @@ class VllmExtras(Body):
 
     use_beam_search: Annotated[bool | None, FALSE_ONLY] = Field(None, description=_doc("false"))
     length_penalty: Annotated[float | None, only({"const": 1})] = Field(None, description=_doc("1"))
-    include_stop_str_in_output: Annotated[bool | None, FALSE_ONLY] = Field(
-        None, description=_doc("false")
-    )
     skip_special_tokens: Annotated[bool | None, only({"const": True})] = Field(
         None, description=_doc("true")
     )

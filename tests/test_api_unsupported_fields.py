@@ -56,7 +56,6 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 VLLM_FIELDS: dict[str, tuple[list[Any], list[Any]]] = {  # field: (refused, accepted)
     "use_beam_search": ([True], [False, None]),
     "length_penalty": ([0.5, 2], [1, 1.0, None]),
-    "include_stop_str_in_output": ([True], [False, None]),
     "skip_special_tokens": ([False], [True, None]),
     "truncate_prompt_tokens": ([8, -1], [None]),
     "allowed_token_ids": ([[1, 2], []], [None]),

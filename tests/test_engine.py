@@ -136,6 +136,11 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.find(stop)]
     assert stop not in cut.text
+    keep = SamplingParams(
+        max_tokens=12, temperature=0, stop=[stop], include_stop_str_in_output=True
+    )
+    kept = llm.generate(["The"], keep)[0]
+    assert kept.text == text[: text.find(stop) + len(stop)] and kept.token_ids == cut.token_ids
 
 
 def test_stop_token_ids_and_eos(llm: LLM) -> None:

@@ -159,6 +159,17 @@ def test_a_chat_can_continue_its_final_message(
     assert both.value.param == "continue_final_message"
 
 
+def test_a_stop_string_is_kept_when_asked(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "prompt": "The", "max_tokens": 12, "temperature": 0}
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[2:4]
+    extra = {"include_stop_str_in_output": True}
+    kept = client.completions.create(**kw, stop=[stop], extra_body=extra).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == text[: text.find(stop) + len(stop)]
+    pieces = client.completions.create(**kw, stop=[stop], extra_body=extra, stream=True)
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == kept.text
+
+
 def test_stop_token_ids_end_the_answer(client: openai.OpenAI) -> None:
     # A bias of 100 makes token 42 every pick; as a stop token it ends the answer at once.
     forced = {"model": MODEL, "prompt": "The", "max_tokens": 8, "logit_bias": {"42": 100}}

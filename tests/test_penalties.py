@@ -172,9 +172,11 @@ class Chars:
         return "".join(map(chr, ids))
 
 
-def stream_text(text: str, stop: tuple[str, ...], min_tokens: int) -> tuple[str, int, str | None]:
+def stream_text(
+    text: str, stop: tuple[str, ...], min_tokens: int, include: bool = False
+) -> tuple[str, int, str | None]:
     """(what a stream of ``text``'s characters as tokens releases, tokens taken, stop)."""
-    d, ids, pieces = Detokenizer(Chars(), stop, min_tokens), [ord(c) for c in text], []
+    d, ids, pieces = Detokenizer(Chars(), stop, min_tokens, include), [ord(c) for c in text], []
     for k in range(1, len(ids) + 1):
         pieces.append(d.update(ids[:k], final=k == len(ids)))
         if d.stopped_by is not None:
@@ -199,6 +201,15 @@ def test_no_stop_string_counts_before_min_tokens() -> None:
         replayed.replay(ids[:k], window=3)
         state = (replayed.text, replayed.emitted, replayed.stopped_by)
         assert state == (streamed.text, streamed.emitted, streamed.stopped_by), k
+
+
+def test_a_stop_string_is_kept_when_asked() -> None:
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, streamed too
+    (the held-back start of it is released with the rest)."""
+    text = "abSTOPcSTOPd"
+    assert stream_text(text, ("STOP",), 0, include=True) == ("abSTOP", 6, "STOP")
+    assert stream_text(text, ("STOP",), 7, include=True) == ("abSTOPcSTOP", 11, "STOP")
+    assert stream_text("xxABCDyy", ("BCD", "ABC"), 0, include=True) == ("xxABC", 5, "ABC")
 
 
 def test_a_resumed_request_keeps_min_tokens_and_penalties() -> None:

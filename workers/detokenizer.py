@@ -5,7 +5,8 @@ characters and tokenizer merges right), and a delta is released only when it is 
 incomplete UTF-8 character, or a tail that could still grow into a stop string, is held back.
 So the concatenated stream always equals the final text. Before ``min_tokens`` output tokens
 no stop string counts (vLLM's ``min_tokens``): none is searched for, and once they count, only
-one that ends in text not yet emitted stops the request.
+one that ends in text not yet emitted stops the request. The text ends before the stop
+string, or with it when ``include_stop`` (vLLM's ``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ REPLAY_WINDOW = 64
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        include_stop: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
-        self.text = ""  # the text so far, cut at a stop string once one is found
+        self.include_stop = include_stop
+        self.text = ""  # the text so far, cut at (or after) a stop string once one is found
         self.emitted = 0  # characters of ``text`` already handed out
         self.stopped_by: str | None = None
 
@@ -39,7 +47,7 @@ class Detokenizer:
             found = [(at, s) for at, s in found if at != -1]
             if found:
                 at, self.stopped_by = min(found)
-                self.text = text[:at]
+                self.text = text[: at + len(self.stopped_by) if self.include_stop else at]
             else:
                 self.text = text
         end = len(self.text)

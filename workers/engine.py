@@ -232,7 +232,9 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise ValueError(f"request_id: {rid!r} is already running")
-        detokenizer = Detokenizer(self.tokenizer, params.stop, params.min_tokens)
+        detokenizer = Detokenizer(
+            self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output
+        )
         # The client already has the resumed tokens' text: only the state that streaming
         # them left is needed, so the next delta holds back (or releases) what it would have.
         detokenizer.replay(resumed)

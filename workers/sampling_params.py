@@ -44,7 +44,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1.0`` disable those filters.
     ``seed`` makes one request's sampling reproducible whatever else is in its batch.
-    ``stop`` strings are cut from the text; ``stop_token_ids`` end the request like EOS.
+    ``stop`` strings are cut from the text (kept with ``include_stop_str_in_output``);
+    ``stop_token_ids`` end the request like EOS.
     ``logit_bias`` ({token id: bias}, or (id, bias) pairs) and the penalties change the
     logits every token is chosen from (penalties.py says how). Out-of-range values raise
     ValueError naming the field (bounds: the module docstring).
@@ -58,6 +59,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string (vLLM's)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # log-probabilities of each sampled token and the top N
@@ -150,8 +152,9 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be a list of at most {self.MAX_STOP_TOKEN_IDS} ids")
         if not all(_is_int(t) and 0 <= t <= self.MAX_TOKEN_ID for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {self.MAX_TOKEN_ID}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "must be a boolean")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (_is_number(value) and -self.MAX_PENALTY <= value <= self.MAX_PENALTY):
