@@ -9,12 +9,18 @@ import time
 
 import pytest
 
+from kvmesh import LLM, SamplingParams
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.worker import Worker
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import redeploy, running_replicas, tiny_config, undeploy, wait_for
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    return LLM("tiny-random", block_size=4, num_kv_blocks=256, progress=False)
 
 
 def test_two_ingress_replicas_compute_a_shared_prefix_once() -> None:
@@ -36,6 +42,40 @@ def test_two_ingress_replicas_compute_a_shared_prefix_once() -> None:
         computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
         expected = len(shared) + sum(len(p) - len(shared) for p in prompts)
         assert computed == expected, [o["kvmesh"] for o in outs]
+    finally:
+        undeploy()
+
+
+def test_kv_aware_burst_computes_a_shared_prefix_once(reference) -> None:
+    """Six prompts sharing a 200-token prefix arrive together on three workers: the prefix
+    is computed by one worker; the others wait for it and pull it (or hit it locally), and
+    every answer equals a single engine's."""
+    handle = redeploy(tiny_config(workers=3, router="kv_aware"))
+    try:
+        shared = list(range(100, 300))  # 50 full blocks of 4
+        prompts = [[*shared, 7 + i, 9 + i, 11 + i] for i in range(6)]
+        params = SamplingParams(max_tokens=4, temperature=0)
+        # The index outlives an app (it is the model's): earlier tests' refusals count there.
+        refused_before = handle.stats.remote().result()["index"].get("unauthorized", 0)
+        calls = [
+            handle.generate.remote({"prompt": p, "max_tokens": 4, "temperature": 0})
+            for p in prompts
+        ]
+        outs = [c.result() for c in calls]
+        want = reference.generate(prompts, params)
+        assert [o["token_ids"] for o in outs] == [w.token_ids for w in want]
+        computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
+        assert computed == len(shared) + sum(len(p) - len(shared) for p in prompts)
+        assert len({o["kvmesh"]["worker"] for o in outs}) >= 2
+        # The workers vouched for the router's pending entries (else each is believed for
+        # UNCONFIRMED_TTL_S only), and no confirmation was refused.
+        index = wait_for(
+            lambda: (s := handle.stats.remote().result()["index"])["pending_confirmed"] and s,
+            10,
+            "the workers to confirm the pending entries",
+        )
+        assert index["pending_confirmed"] <= index["pending_added"]
+        assert index["unauthorized"] == refused_before
     finally:
         undeploy()
 
