@@ -60,7 +60,8 @@ def test_dequantize_equals_gguf_exactly(qtype: GT, scale: float) -> None:
 @pytest.mark.parametrize("m", [1, 3, 5, 12, 16, 17, 40])
 def test_qmatmul_matches_float32_linear(qtype: GT, m: int) -> None:
     # 37 rows: the last 16-row panel is partial; 12, 17 and 40 rows of x span several passes
-    # (AVX2: 1-4 rows take both halves of a panel at once, 5-8 one half at a time).
+    # (AVX2: 1-4 rows take both halves of a panel at once, 5-8 one half at a time, 9 or more
+    # a dequantized panel in tiles of up to 6 rows).
     qw, ref = quantized(37, 96, qtype)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
     want = F.linear(x.double(), ref.double())
@@ -75,13 +76,25 @@ def test_qmatmul_matches_float32_linear(qtype: GT, m: int) -> None:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_qmatmul_row_does_not_depend_on_its_batch(qtype: GT) -> None:
-    # Every pass kind (16, 5-8 or 1-4 rows; one half of a panel or both) sums each output in
-    # the same order, so a token's logits are the same bits whoever shares its step.
+    # Every pass kind (16, 5-8 or 1-4 rows; one half of a panel or both; tiles of 1-6 rows
+    # over a dequantized panel) sums each output in the same order, so a token's logits are
+    # the same bits whoever shares its step.
     pw = pack(quantized(45, 96, qtype)[0])
     x = torch.randn(21, 96, generator=torch.Generator().manual_seed(2))
     whole = qmatmul(x, pw)
     for a, b in [(0, 1), (3, 5), (4, 8), (1, 10), (2, 14), (0, 17), (13, 21)]:
         assert torch.equal(qmatmul(x[a:b], pw), whole[a:b]), (a, b)
+
+
+def test_qmatmul_after_a_narrower_weight() -> None:
+    # The AVX2 tiles keep each thread's dequantized-panel buffer between calls; a wider weight
+    # after a narrower one must grow it, not overrun it.
+    for k in (64, 1024, 96):
+        qw, ref = quantized(40, k, GT.Q4_1, seed=k)
+        x = torch.randn(20, k, generator=torch.Generator().manual_seed(k))
+        want = F.linear(x.double(), ref.double())
+        got = qmatmul(x, pack(qw)).double()
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item(), k
 
 
 def test_bad_inputs_raise_value_error() -> None:
