@@ -72,9 +72,10 @@ typedef struct {
 static int64_t pad16(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
 
 #if KV_AVX512
-/* One vector of VL query heads (lane l of qt/s/lim/pm/pl/pacc; rows `stride` apart) against
- * keys krow/vrow[0 .. n), which sit at positions c0 .. c0+n-1 of the item: scores into s,
- * then the partials (max, sum of exponentials, exp-weighted V sums) into pm, pl, pacc. */
+/* One vector of VL query heads (lane l of qt/s/lim/pm/pl/pacc; qt's and s's rows VL floats
+ * apart, pacc's `stride` apart) against keys krow/vrow[0 .. n), which sit at positions
+ * c0 .. c0+n-1 of the item: scores into s, then the partials (max, sum of exponentials,
+ * exp-weighted V sums) into pm, pl, pacc. */
 /* exp(x) for x <= 0 (scores minus their max), 16 lanes; below -87 (and -inf) -> 0. Cephes'
  * expf polynomial after Cody-Waite reduction (~1 ulp), scaled by 2^n with scalef. */
 static inline __m512 exp512_nonpos(__m512 x) {
@@ -105,24 +106,24 @@ static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
         __m512 acc[TU];
         for (int u = 0; u < TU; u++) acc[u] = _mm512_setzero_ps();
         for (int dd = 0; dd < d; dd++) {
-            __m512 qv = _mm512_loadu_ps(qt + dd * stride);
+            __m512 qv = _mm512_loadu_ps(qt + dd * VL);
             for (int u = 0; u < TU; u++)
                 acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(krow[t0 + u][dd]), qv, acc[u]);
         }
         int tu = n - t0 < TU ? n - t0 : TU;
         for (int u = 0; u < tu; u++) {
             __mmask16 seen = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(c0 + t0 + u), limv);
-            _mm512_storeu_ps(s + (t0 + u) * stride, _mm512_mask_blend_ps(seen, ninf, acc[u]));
+            _mm512_storeu_ps(s + (t0 + u) * VL, _mm512_mask_blend_ps(seen, ninf, acc[u]));
         }
     }
     __m512 mx = ninf, sum = _mm512_setzero_ps();
-    for (int t = 0; t < n; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * stride));
+    for (int t = 0; t < n; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * VL));
     /* A lane with no visible key here keeps sum 0 and is skipped by the merge. */
     __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), mx,
                                        _mm512_setzero_ps());
     for (int t = 0; t < n; t++) {
-        __m512 p = exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t * stride), base));
-        _mm512_storeu_ps(s + t * stride, p);
+        __m512 p = exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t * VL), base));
+        _mm512_storeu_ps(s + t * VL, p);
         sum = _mm512_add_ps(sum, p);
     }
     _mm512_storeu_ps(pm, mx);
@@ -131,7 +132,7 @@ static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
         __m512 acc[TU];
         for (int u = 0; u < TU; u++) acc[u] = _mm512_setzero_ps();
         for (int t = 0; t < n; t++) {
-            __m512 pv = _mm512_loadu_ps(s + t * stride);
+            __m512 pv = _mm512_loadu_ps(s + t * VL);
             for (int u = 0; u < TU; u++)
                 acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(vrow[t][d0 + u]), pv, acc[u]);
         }
@@ -172,7 +173,7 @@ static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
         __m256 acc[TU];
         for (int u = 0; u < TU; u++) acc[u] = _mm256_setzero_ps();
         for (int dd = 0; dd < d; dd++) {
-            __m256 qv = _mm256_loadu_ps(qt + dd * stride);
+            __m256 qv = _mm256_loadu_ps(qt + dd * VL);
             for (int u = 0; u < TU; u++)
                 acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(krow[t0 + u][dd]), qv, acc[u]);
         }
@@ -180,16 +181,16 @@ static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
         for (int u = 0; u < tu; u++) {
             __m256 seen = _mm256_castsi256_ps(
                 _mm256_cmpgt_epi32(limv, _mm256_set1_epi32(c0 + t0 + u)));
-            _mm256_storeu_ps(s + (t0 + u) * stride, _mm256_blendv_ps(ninf, acc[u], seen));
+            _mm256_storeu_ps(s + (t0 + u) * VL, _mm256_blendv_ps(ninf, acc[u], seen));
         }
     }
     __m256 mx = ninf, sum = _mm256_setzero_ps();
-    for (int t = 0; t < n; t++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t * stride));
+    for (int t = 0; t < n; t++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t * VL));
     /* A lane with no visible key here keeps sum 0 and is skipped by the merge. */
     __m256 base = _mm256_blendv_ps(mx, _mm256_setzero_ps(), _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
     for (int t = 0; t < n; t++) {
-        __m256 p = exp256_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t * stride), base));
-        _mm256_storeu_ps(s + t * stride, p);
+        __m256 p = exp256_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t * VL), base));
+        _mm256_storeu_ps(s + t * VL, p);
         sum = _mm256_add_ps(sum, p);
     }
     _mm256_storeu_ps(pm, mx);
@@ -198,7 +199,7 @@ static void lanes(const float *qt, float *s, int64_t stride, const int32_t *lim,
         __m256 acc[TU];
         for (int u = 0; u < TU; u++) acc[u] = _mm256_setzero_ps();
         for (int t = 0; t < n; t++) {
-            __m256 pv = _mm256_loadu_ps(s + t * stride);
+            __m256 pv = _mm256_loadu_ps(s + t * VL);
             for (int u = 0; u < TU; u++)
                 acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(vrow[t][d0 + u]), pv, acc[u]);
         }
@@ -399,8 +400,10 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
      * widened into scratch first. */
     const int pairs = by_rows && a->kv_dtype == KV_BF16 && d % 32 == 0;
     const int in_place = a->kv_dtype == KV_F32 || pairs;
-    float *qt = scratch;          /* by lanes [d][njp], by rows [nj][d]: scaled queries */
-    float *s = qt + d * njp;      /* [CHUNK][njp]: scores, then probabilities */
+    /* By lanes, qt and s are blocks of VL query heads, each block's rows contiguous (so a
+     * vector's pass reads and writes its own few KiB, not a column strided across them all). */
+    float *qt = scratch;     /* by lanes [njp / VL][d][VL], by rows [nj][d]: scaled queries */
+    float *s = qt + d * njp; /* by lanes [njp / VL][CHUNK][VL]: scores, then probabilities */
     int32_t lim[njp];
     /* Row addresses; a bfloat16 row read in place is held as a float pointer too (rows_bf16
      * reads it as uint16_t). */
@@ -415,7 +418,7 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
         const float *qv = valid ? a->q + ((int64_t)qtok[j / g] * a->hq + h * g + j % g) * d : 0;
         for (int dd = 0; dd < d; dd++) {
             float x = valid ? qv[dd] * a->scale : 0.0f;
-            qt[by_rows ? j * d + (pairs ? pair_slot(dd) : dd) : dd * njp + j] = x;
+            qt[by_rows ? j * d + (pairs ? pair_slot(dd) : dd) : j / VL * d * VL + dd * VL + j % VL] = x;
         }
     }
     const int32_t *blocks = a->blocks + a->bo[it];
@@ -456,7 +459,8 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
     }
     /* Vectors past the last query head hold only padding, which the merge never reads. */
     for (int64_t j0 = 0; j0 < nj; j0 += VL)
-        lanes(qt + j0, s + j0, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0, pacc + j0);
+        lanes(qt + j0 * d, s + j0 * CHUNK, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0,
+              pacc + j0);
 }
 
 /* out = softmax(q . K) V for every row, over the keys its items give it.
