@@ -5,10 +5,10 @@ naming the field unless they ask for nothing, as OpenAI's own unimplemented fiel
 answer silently other than it asked for: unconstrained text for ``guided_json``, a kept prompt
 for ``truncate_prompt_tokens``. The extensions kvmesh serves (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``ignore_eos``, ``cache_salt``,
-chat's ``add_generation_prompt`` / ``continue_final_message``) are the bodies' own fields;
-those that ask for nothing whatever their value (``guided_decoding_backend``,
-``spaces_between_special_tokens`` with special tokens skipped) stay ignored extras.
+``ignore_eos``, ``cache_salt``, chat's ``add_generation_prompt`` / ``continue_final_message``)
+are the bodies' own fields; those that ask for nothing whatever their value
+(``guided_decoding_backend``, ``spaces_between_special_tokens`` with special tokens skipped)
+stay ignored extras.
 """
 
 from __future__ import annotations
