@@ -3,10 +3,11 @@
 ``KvAwareRequestRouter`` runs the cost model of ``router.py`` (docs/router.md) inside Serve's
 routing loop: for each request it reads the block-hash chain the ingress computed, asks the
 index which worker holds or is computing how much of it (one ``route_lookup``), takes each
-replica's queue length from Serve's own cache and the measured costs each replica reports
-(``record_routing_stats``), and ranks the replicas. Its decision travels to the worker as the
-request's ``Plan``, and the prompt is recorded in the index as a pending entry, so every
-ingress replica (each has its own router) sees what is being computed where.
+replica's queue length from Serve's own cache and the costs each replica measured and reports
+(``record_routing_stats``), and ranks the replicas, each at its own costs. Its decision
+travels to the worker as the request's ``Plan``, and the prompt is recorded in the index as a
+pending entry, so every ingress replica (each has its own router) sees what is being
+computed where.
 
 If the index is down, routing falls back to load only; nothing fails because of it.
 ``RoundRobinRequestRouter`` is the baseline; ``least_loaded`` is Serve's own power-of-two
@@ -34,8 +35,6 @@ PENDING_TTL_S = 30.0  # a pending entry outlives a lost drop call by at most thi
 INDEX_TIMEOUT_S = 2.0
 MAX_RACES = 3  # fresh decisions after racing another router, before deciding without a claim
 INDEX_RETRY_S = 1.0  # after an index failure, route by load alone this long
-# (routing stats key, CostModel.samples key) of each measured cost.
-_COSTS = (("t_token_s", "token"), ("t_pull_block_s", "pull"), ("t_queue_s", "queue"))
 
 
 class KvAwareRequestRouter(RequestRouter):
@@ -68,7 +67,8 @@ class KvAwareRequestRouter(RequestRouter):
         async with self._lock:
             if request.plan is not None and request.plan.pending_id is not None:
                 await self._index_call("drop_pending", request.plan.pending_id)  # a re-route
-            self._learn_costs(candidate_replicas)
+            # Each replica's measured costs, as it reported them last (every second).
+            self.router.learn({w: r.routing_stats for w, r in replicas.items() if r.routing_stats})
             for _ in range(MAX_RACES):
                 plan = await self._plan(request, replicas)
                 if plan is not None:
@@ -88,7 +88,8 @@ class KvAwareRequestRouter(RequestRouter):
         info = await self._index_call("route_lookup", request.chain) or {}
         views = self._views(replicas, info)
         choice = self.router.choose(sorted(replicas), views, request.num_context_tokens)
-        holder = _holder(info, choice.worker)
+        n = max(request.num_context_tokens - 1, 0) // self.router.block_size
+        holder = _holder(info, choice.worker, self.router, n)
         plan = Plan(
             worker=choice.worker,
             local_blocks=choice.local_blocks,
@@ -109,8 +110,8 @@ class KvAwareRequestRouter(RequestRouter):
         return plan
 
     def _views(self, replicas: dict[str, RunningReplica], info: dict) -> dict[str, WorkerView]:
-        held, pending, backlog, queued, tiers = (
-            info.get(k, {}) for k in ("held", "pending", "backlog", "queued", "tiers")
+        held, pending, backlog, queued, tiers, nodes = (
+            info.get(k, {}) for k in ("held", "pending", "backlog", "queued", "tiers", "nodes")
         )
         views = {}
         for w, r in replicas.items():
@@ -135,27 +136,9 @@ class KvAwareRequestRouter(RequestRouter):
                 room_blocks=int(room) if room is not None else None,
                 host_depth=t.get("host", 0),
                 disk_depth=t.get("disk", 0),
+                node=nodes.get(w),
             )
         return views
-
-    def _learn_costs(self, replicas: list[RunningReplica]) -> None:
-        """The cost model's per-token, per-pulled-block, per-tier-block and per-queued-request
-        times: the mean of what the replicas measured (each reports its own)."""
-        cost = self.router.cost
-        for key, sample in (
-            ("t_token_s", "token"),
-            ("t_pull_block_s", "pull"),
-            ("t_queue_s", "queue"),
-            ("t_host_block_s", "host"),
-            ("t_disk_block_s", "disk"),
-        ):
-            seen = [
-                s[key]
-                for s in (r.routing_stats for r in replicas)
-                if s and s.get("samples", {}).get(sample)
-            ]
-            if seen:
-                setattr(cost, key, sum(seen) / len(seen))
 
     async def _index_call(self, method: str, *args: Any) -> Any:
         """One index call; None when the index is unreachable (then routing uses load only,
@@ -204,8 +187,10 @@ def _worker_request(pending: PendingRequest | None) -> WorkerRequest | None:
     return None
 
 
-def _holder(info: dict, worker: str) -> str | None:
-    """The peer ``worker`` pulls from: the deepest :func:`pullable_depth`, over every worker
-    the index knows (a prefill worker of another deployment included), ``worker`` left out."""
+def _holder(info: dict, worker: str, router: Router, n: int) -> str | None:
+    """The peer ``worker`` pulls from (``Router.pick_holder``) among every worker the index
+    knows (a prefill worker of another deployment included), by :func:`pullable_depth` up to
+    the ``n`` blocks of the prompt that can hit, as the router priced it."""
     depths = pullable_depths(info.get("held", {}), info.get("tiers", {}), exclude=worker)
-    return max(depths, key=lambda w: (depths[w], w)) if depths else None
+    capped = {w: min(d, n) for w, d in depths.items()}
+    return router.pick_holder(worker, capped, info.get("nodes", {}))

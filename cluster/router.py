@@ -28,7 +28,10 @@ paid back as a recompute.
 ``t_token`` (compute time per prompt token), ``t_pull_block`` (time per pulled block),
 ``t_host_block`` / ``t_disk_block`` (time per block loaded from a tier) and ``t_queue`` (time a
 queued request adds) are exponential moving averages of what finished requests report:
-measured while running, never constants (they start from rough priors).
+measured while running, never constants (they start from rough priors). Each worker measures
+its own, and each worker is charged its own (``Router.learn``): a worker on a faster device
+computes for less, and one behind a slower disk loads for more. The holder's costs price what
+the holder does (promoting blocks for a pin, computing a prefix another worker waits for).
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvmesh.connector.holder_sets import pullable_depth
+from kvmesh.connector.holder_sets import nearest_holder, pullable_depth
 from kvmesh.workers.outputs import RequestMetrics
 
 PRIOR_T_TOKEN_S = 2e-3
@@ -47,9 +51,18 @@ PRIOR_T_QUEUE_S = 0.05
 PRIOR_T_HOST_BLOCK_S = 1e-4
 PRIOR_T_DISK_BLOCK_S = 1e-3
 EMA = 0.2
+# (CostModel attribute, its key in CostModel.samples): every measured cost.
+COSTS = (
+    ("t_token_s", "token"),
+    ("t_pull_block_s", "pull"),
+    ("t_queue_s", "queue"),
+    ("t_host_block_s", "host"),
+    ("t_disk_block_s", "disk"),
+)
 # A prefill this short measures a step's fixed cost (a batch's decodes, the sampler), not its
 # tokens: 14 tokens in a 7 ms step would teach 0.5 ms a token where 2,000 take 30 us each.
 MIN_LEARN_TOKENS = 64
+MAX_LINKS = 256  # peers whose link costs a worker keeps
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class WorkerView:
     # index's depths per medium, cumulative: depth <= host_depth <= disk_depth when known).
     host_depth: int = 0
     disk_depth: int = 0
+    node: str | None = None  # the Ray node its KV lives on (peers there pull locally)
 
     @property
     def pull_depth(self) -> int:
@@ -86,6 +100,15 @@ class CostModel:
     samples: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(("token", "pull", "queue", "host", "disk"), 0)
     )
+    # t_pull_block over the link from each peer (learned from requests whose reads all came
+    # from that peer; a peer on this host is not one across a network), the most recently
+    # used MAX_LINKS; a peer not here costs t_pull_block_s.
+    pull_links: dict[str, float] = field(default_factory=dict)
+    link_samples: dict[str, int] = field(default_factory=dict)
+
+    def t_pull_block_from(self, holder: str | None) -> float:
+        """Seconds a block pulled from ``holder`` costs (its link's, when measured)."""
+        return self.pull_links.get(holder, self.t_pull_block_s) if holder else self.t_pull_block_s
 
     def observe(
         self,
@@ -99,6 +122,7 @@ class CostModel:
         block_size: int = 0,
         queue_s: float | None = None,
         tier: tuple[str, int, float] | None = None,
+        read_from: str | None = None,
     ) -> None:
         """Fold one finished request's TTFT (as its worker measured it) into the estimates.
         ``queue_len`` / ``backlog_tokens``: what was ahead of it on its worker when routed.
@@ -110,6 +134,7 @@ class CostModel:
         wait is the queue's, never the prompt's (a request that computed 10 tokens after
         waiting 0.4 s for a free sequence slot must not teach 40 ms per token).
         ``tier``: (medium, blocks, seconds) of a load from the worker's own host or disk tier.
+        ``read_from``: the peer every read was from, whose link's cost they teach too.
         """
         queue_part = queue_len * self.t_queue_s if queue_s is None else queue_s
         tier_part = 0.0
@@ -119,11 +144,11 @@ class CostModel:
         read_blocks = pulled_blocks if read_blocks is None else read_blocks
         if read_blocks and pull_s is not None:
             failed_tokens = max(read_blocks - pulled_blocks, 0) * block_size
-            spent = pull_s + failed_tokens * self.t_token_s
-            self.t_pull_block_s = _ema(
-                self.t_pull_block_s, spent / read_blocks, self.samples["pull"]
-            )
+            per_block = (pull_s + failed_tokens * self.t_token_s) / read_blocks
+            self.t_pull_block_s = _ema(self.t_pull_block_s, per_block, self.samples["pull"])
             self.samples["pull"] += 1
+            if read_from is not None:
+                self._observe_link(read_from, per_block)
         pull_part = pulled_blocks * self.t_pull_block_s if pull_s is None else pull_s
         if computed_tokens >= MIN_LEARN_TOKENS:
             tokens = computed_tokens + backlog_tokens
@@ -136,6 +161,15 @@ class CostModel:
                 queue_s = max(ttft_s - own, 0.0)
             self.t_queue_s = _ema(self.t_queue_s, queue_s / queue_len, self.samples["queue"])
             self.samples["queue"] += 1
+
+    def _observe_link(self, holder: str, per_block: float) -> None:
+        seen = self.link_samples.pop(holder, 0)
+        old = self.pull_links.pop(holder, per_block)
+        self.pull_links[holder] = _ema(old, per_block, seen)  # re-added: the most recent last
+        self.link_samples[holder] = seen + 1
+        while len(self.pull_links) > MAX_LINKS:  # peers come and go: forget the oldest
+            oldest = next(iter(self.pull_links))
+            del self.pull_links[oldest], self.link_samples[oldest]
 
     def observe_request(self, m: RequestMetrics, queue_len: int, block_size: int) -> None:
         """``observe`` for a finished request as its worker measured it (``m``): the pull
@@ -155,6 +189,7 @@ class CostModel:
             if m.first_scheduled_time is None
             else m.first_scheduled_time - m.arrival_time,
             tier=_tier_load(m, block_size),
+            read_from=m.read_from,
         )
 
     def observe_tier(self, medium: str, blocks: int, seconds: float) -> None:
@@ -174,6 +209,11 @@ def _tier_load(m: RequestMetrics, block_size: int) -> tuple[str, int, float] | N
         if tokens >= block_size:
             return medium, tokens // block_size, m.kv_load_s
     return None
+
+
+def _sampled(report: Mapping[str, Any], sample: str) -> bool:
+    """Whether a worker's report carries a measured value of the cost ``sample`` names."""
+    return bool(report.get("samples", {}).get(sample))
 
 
 def _ema(old: float, new: float, seen: int) -> float:
@@ -210,8 +250,43 @@ class Router:
         self.policy = policy
         self.block_size = block_size
         self.connector = connector
+        # The costs of a worker that reported none of its own: the mean of those that did
+        # (the priors at first); ``worker_costs`` holds each reporting worker's (``learn``).
         self.cost = CostModel()
+        self.worker_costs: dict[str, CostModel] = {}
         self._rr = itertools.count()
+
+    def learn(self, reports: Mapping[str, Mapping[str, Any]]) -> None:
+        """Take each worker's measured costs from its report (its routing stats: the costs
+        and ``samples``, how many samples each rests on). A cost a worker has no sample of yet
+        is the mean over the workers that have one, or what the router had (the prior)."""
+        for key, sample in COSTS:
+            seen = [r[key] for r in reports.values() if _sampled(r, sample)]
+            if seen:
+                setattr(self.cost, key, sum(seen) / len(seen))
+        self.worker_costs = {
+            w: CostModel(
+                **{key: r[key] if _sampled(r, s) else getattr(self.cost, key) for key, s in COSTS},
+                samples={s: int(r.get("samples", {}).get(s, 0)) for _, s in COSTS},
+                pull_links=dict(r.get("pull_links", {})),
+            )
+            for w, r in reports.items()
+        }
+
+    def cost_of(self, worker: str) -> CostModel:
+        """The costs ``worker`` measured, or the cluster's mean when it reported none."""
+        return self.worker_costs.get(worker, self.cost)
+
+    def pick_holder(
+        self, worker: str, depths: Mapping[str, int], nodes: Mapping[str, str | None]
+    ) -> str | None:
+        """The peer ``worker`` pulls from, given how many of the prompt's blocks each can
+        give and each worker's node: :func:`nearest_holder`, over the links ``worker``
+        measured."""
+        others = {p: d for p, d in depths.items() if p != worker}
+        return nearest_holder(
+            others, nodes.get(worker), nodes, self.cost_of(worker).t_pull_block_from
+        )
 
     @property
     def needs_lookup(self) -> bool:
@@ -290,8 +365,13 @@ class Router:
         # Its own tiers: blocks past ``local`` in host memory, then on disk.
         in_host = max(min(v.host_depth, n), local)
         own = max(min(v.disk_depth, n), in_host)
-        load_s = (in_host - local) * self.cost.t_host_block_s
-        load_s += (own - in_host) * self.cost.t_disk_block_s
+        c = self.cost_of(w)
+        load_s = (in_host - local) * c.t_host_block_s + (own - in_host) * c.t_disk_block_s
+        holder = self.pick_holder(
+            w,
+            {name: min(p.pull_depth, n) for name, p in others.items()},
+            {name: p.node for name, p in views.items()},
+        )
         reach = max(local, held[0]) if self.connector else local
         duplicate = max(computing - max(reach, own), 0) if self.connector else 0
         # A single peer's blocks that this worker has in none of its media (its tiers hold
@@ -309,31 +389,41 @@ class Router:
                 source = peer
         if reach > own or source is not None:  # it pulls what a peer holds beyond its tiers
             extra = duplicate + moved
-            promote_s = self._promote_s(others, local, reach, n)
-            options.append(self._option(v, n, partial, local, reach, extra, 0.0, source, promote_s))
+            promote_s = self._promote_s(others, holder, local, reach, n)
+            pull_s = c.t_pull_block_from(holder)
+            options.append(
+                self._option(c, v, n, partial, local, reach, extra, 0.0, source, promote_s, pull_s)
+            )
         # Or its own tiers and compute the rest (what peers hold too: faster than pulling
         # over a slow link).
-        own_opt = self._option(v, n, partial, own, own, duplicate + moved, 0.0, None, load_s)
+        own_opt = self._option(c, v, n, partial, own, own, duplicate + moved, 0.0, None, load_s)
         options.append(dataclasses.replace(own_opt, local=local))
         if self.connector and computing > max(reach, own):
-            wait = others[peer].pending_wait_tokens * self.cost.t_token_s
-            options.append(self._option(v, n, partial, local, computing, moved, wait, peer))
+            assert peer is not None
+            wait = others[peer].pending_wait_tokens * self.cost_of(peer).t_token_s
+            link = c.t_pull_block_from(peer)
+            options.append(
+                self._option(c, v, n, partial, local, computing, moved, wait, peer, 0.0, link)
+            )
         return options
 
-    def _promote_s(self, others: Mapping[str, WorkerView], local: int, reach: int, n: int) -> float:
-        """What the deepest peer (the plan's holder) spends promoting the pulled blocks it
-        keeps in its tiers, not its pool, before the read: the same copy as a load from
-        those tiers, at their learned costs."""
-        if reach <= local or not others:
+    def _promote_s(
+        self, others: Mapping[str, WorkerView], holder: str | None, local: int, reach: int, n: int
+    ) -> float:
+        """What ``holder`` (the plan's) spends promoting the pulled blocks it keeps in its
+        tiers, not its pool, before the read: the same copy as a load from those tiers, at
+        the costs it measured."""
+        if reach <= local or holder is None:
             return 0.0
-        p = others[max(others, key=lambda w: (min(others[w].pull_depth, n), w))]
+        p, c = others[holder], self.cost_of(holder)
         in_pool = max(min(p.depth, n), local)
         in_host = min(max(min(p.host_depth, n), in_pool), reach)
         disk = max(reach - in_host, 0)
-        return (in_host - in_pool) * self.cost.t_host_block_s + disk * self.cost.t_disk_block_s
+        return (in_host - in_pool) * c.t_host_block_s + disk * c.t_disk_block_s
 
     def _option(
         self,
+        c: CostModel,
         v: WorkerView,
         n: int,
         partial: int,
@@ -343,17 +433,19 @@ class Router:
         wait_s: float,
         wait_for: str | None,
         load_s: float = 0.0,
+        pull_block_s: float | None = None,
     ) -> _Option:
-        """Blocks up to ``local`` are the worker's own, up to ``reach`` pulled, the rest
-        computed; ``load_s``: copying blocks out of a host or disk tier (its own tiers' loads,
-        or the holder's promotions for a pull)."""
-        c, bs = self.cost, self.block_size
+        """Blocks up to ``local`` are the worker's own, up to ``reach`` pulled (at
+        ``pull_block_s`` a block: its link's, default its mean), the rest computed, at the
+        worker's costs ``c``; ``load_s``: copying blocks out of a host or disk tier (its own
+        tiers' loads, or the holder's promotions for a pull)."""
+        bs = self.block_size
         pull = reach - local
         compute_tokens = (n - reach) * bs + partial
         ttft = (
             max(wait_s, v.backlog_tokens * c.t_token_s)
             + compute_tokens * c.t_token_s
-            + pull * c.t_pull_block_s
+            + pull * (c.t_pull_block_s if pull_block_s is None else pull_block_s)
             + load_s
             + v.queue * c.t_queue_s
         )

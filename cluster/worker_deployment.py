@@ -308,6 +308,7 @@ class WorkerDeployment:
             "t_host_block_s": c.t_host_block_s,
             "t_disk_block_s": c.t_disk_block_s,
             "samples": dict(c.samples),
+            "pull_links": dict(c.pull_links),
             "at": time.time(),
         }
         return self._stats

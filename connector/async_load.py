@@ -30,11 +30,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from kvmesh.connector.holder_sets import nearest_holder
 from kvmesh.connector.transport import BlockTransport, TransferError, TransferInFlight
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.kv_connector import LoadResult, PullPlan
@@ -67,14 +68,27 @@ class _LoadTask:
 
 @dataclass
 class _Reads:
-    """One load's transport reads so far (``LoadResult.read_blocks`` / ``read_s``)."""
+    """One load's transport reads so far (``LoadResult.read_blocks`` / ``read_s`` /
+    ``read_from``)."""
 
     blocks: int = 0
     seconds: float = 0.0
+    holders: set[str] = field(default_factory=set)
+
+    def add(self, holder: str, blocks: int, seconds: float) -> None:
+        self.blocks += blocks
+        self.seconds += seconds
+        self.holders.add(holder)
 
     def result(self, load_id: int, num_blocks: int, writing: bool = False) -> LoadResult:
+        only = next(iter(self.holders)) if len(self.holders) == 1 else None
         return LoadResult(
-            load_id, num_blocks, writing=writing, read_blocks=self.blocks, read_s=self.seconds
+            load_id,
+            num_blocks,
+            writing=writing,
+            read_blocks=self.blocks,
+            read_s=self.seconds,
+            read_from=only,
         )
 
 
@@ -87,8 +101,10 @@ class PullLoader:
         index_call: IndexCall,
         index_down: Callable[[], bool],
         stats: dict[str, float],
+        node: str | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.node = node  # the Ray node this worker is on: a peer there is the nearest
         self.config = config
         self.transport = transport  # used by the load thread only
         self._index_call = index_call  # raises on any index failure
@@ -192,8 +208,8 @@ class PullLoader:
 
     def _query(self, hashes: list[BlockHash], exclude: str | None = None) -> tuple[str | None, int]:
         """The index's deepest holder of ``hashes`` (not ``exclude``; its pool and host tier
-        count) and what we may pull from it; (None, 0) when none, or the index fails. Never
-        raises."""
+        count; among equals one on our node, :func:`nearest_holder`) and what we may pull
+        from it; (None, 0) when none, or the index fails. Never raises."""
         self.count("index_lookups")
         try:
             depths = self._index_call("pull_depths", hashes, self.worker_id) or {}
@@ -203,12 +219,14 @@ class PullLoader:
         depths = {w: d for w, d in depths.items() if w != exclude}
         if not depths:
             return None, 0
-        holder, depth = max(depths.items(), key=lambda kv: (kv[1], kv[0]))
+        nodes = {w: meta.get("node") for w, meta in self.directory.items()}
+        holder = nearest_holder(depths, self.node, nodes)
+        assert holder is not None  # depths holds only peers with blocks to give
         if holder not in self.directory:
             self.refresh_directory()
         if not self._usable(holder):
             return None, 0
-        depth = self._cap(holder, depth)
+        depth = self._cap(holder, depths[holder])
         return (holder, depth) if depth else (None, 0)
 
     def refresh_directory(self) -> None:
@@ -286,8 +304,7 @@ class PullLoader:
                     seconds = time.perf_counter() - started
                     self.count("pull_s", seconds)
                     self.count("read_blocks", n)
-                    reads.blocks += n
-                    reads.seconds += seconds
+                    reads.add(holder, n, seconds)
             finally:
                 handle.release.remote(lease_id)  # fire and forget; expiry covers a lost call
         except Exception as e:

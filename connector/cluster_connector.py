@@ -103,6 +103,8 @@ class ClusterKvConnector(KvCacheConnector):
             "rejoins": 0,
         }
         self._handle = ray.get_runtime_context().current_actor
+        # The Ray node this worker's KV lives on: peers on it pull without crossing a network.
+        self._node = ray.get_runtime_context().get_node_id()
         self._loader = PullLoader(
             self.worker_id,
             config,
@@ -110,6 +112,7 @@ class ClusterKvConnector(KvCacheConnector):
             self._call,
             lambda: self._must_rejoin,
             self.stats,
+            node=self._node,
         )
         try:
             self._register()
@@ -133,6 +136,7 @@ class ClusterKvConnector(KvCacheConnector):
                 "transport": self.transport.local_info(),
                 "handle": self._handle,
                 "max_pin_blocks": self._max_pin_blocks,
+                "node": self._node,
             },
             self._handle,
             self._token,  # the index may still know us: only our token may re-register us

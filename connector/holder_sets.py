@@ -13,7 +13,7 @@ No torch, no ray. Not thread-safe: the index actor holds a lock around its index
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import islice
 
 _MAX_INTERNED = 1 << 16
@@ -248,3 +248,22 @@ def pullable_depths(
         if depth and w != exclude:
             out[w] = depth
     return out
+
+
+def nearest_holder(
+    depths: Mapping[str, int],
+    node: str | None,
+    nodes: Mapping[str, str | None],
+    link_s: Callable[[str], float] | None = None,
+) -> str | None:
+    """The peer to pull from, given how many of the prompt's blocks each can give (``depths``,
+    the puller left out): the deepest; among equals the cheapest link (``link_s``: a block's
+    pull time from that peer, as measured), then one on the puller's own node (``node``;
+    ``nodes``: each worker's), whose bytes never cross a network, then by name. The router
+    and a worker that looks the index up itself pick alike."""
+    ranked = [
+        (d, -link_s(w) if link_s else 0.0, node is not None and nodes.get(w) == node, w)
+        for w, d in depths.items()
+        if d > 0
+    ]
+    return max(ranked)[3] if ranked else None

@@ -312,13 +312,15 @@ class KvIndex:
 
         ``{"held": {worker: depth}, "tiers": {worker: {"device": d0, "host": d1, "disk": d2}},
         "pending": {worker: {"depth": d, "wait_tokens": t}}, "backlog": {worker: tokens},
-        "queued": {worker: n}, "last_pending_id": id}``: ``held`` is :meth:`lookup` (device
-        pools), ``tiers`` :meth:`tier_depths`; for each worker with a pending entry sharing
+        "queued": {worker: n}, "last_pending_id": id, "nodes": {worker: node}}``: ``held`` is
+        :meth:`lookup` (device pools), ``tiers`` :meth:`tier_depths`; for each worker with a
+        pending entry sharing
         leading blocks with ``hashes``, ``depth`` is the most leading blocks one of its entries
         covers and ``wait_tokens`` its pending tokens of the entries added up to and including
         the first such entry (a worker computes its prompts in order); ``backlog`` is each
         worker's pending tokens over all its entries and ``queued`` how many entries it has
-        (every router's prompts routed there and not yet computed).
+        (every router's prompts routed there and not yet computed); ``nodes`` the node each
+        registered worker's KV lives on (its registration's ``node``; None if it gave none).
         """
         held = self.lookup(hashes)
         return {
@@ -326,6 +328,7 @@ class KvIndex:
             "tiers": cumulative_depths(self._media, hashes, held),
             **self._pending.summary(hashes),
             "last_pending_id": self._pending.last_id,
+            "nodes": {w: s.metadata.get("node") for w, s in self._workers.items()},
         }
 
     # -- queries ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 PREFIX = prompt(1, 41)  # 10 full blocks come from the connector, the last token is computed
 OTHER = prompt(2, 9)
+PEER = "w-peer"  # the peer every load of GatedConnector reads from
 
 
 class GatedConnector(InMemoryKvCacheConnector):
@@ -40,7 +41,8 @@ class GatedConnector(InMemoryKvCacheConnector):
     ``ok`` writes the blocks; ``fail`` scribbles over them and fails; ``writing`` scribbles,
     fails with the transfer still running, and scribbles again once ``transfer_over`` is set
     (the late bytes of a transfer that cannot be stopped), then says it is over. Each result
-    reports its blocks as read, over the time from its start (as a transport's read would)."""
+    reports its blocks as read from ``PEER``, over the time from its start (as a transport's
+    read would)."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         super().__init__(kv_cache.read_block, kv_cache.write_block)
@@ -67,7 +69,8 @@ class GatedConnector(InMemoryKvCacheConnector):
     def _run(self, load_id: int, payloads: list[bytes | None], block_ids: list[int]) -> None:
         started = time.perf_counter()
         self.gate.wait()
-        reads = {"read_blocks": len(block_ids), "read_s": time.perf_counter() - started}
+        seconds = time.perf_counter() - started
+        reads = {"read_blocks": len(block_ids), "read_s": seconds, "read_from": PEER}
         if self.mode == "ok" and all(p is not None for p in payloads):
             for block_id, payload in zip(block_ids, payloads, strict=True):
                 assert payload is not None

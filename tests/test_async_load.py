@@ -25,6 +25,7 @@ from tests.async_load_helpers import (
     LONG,
     NUM_BLOCKS,
     OTHER,
+    PEER,
     PREFIX,
     GatedConnector,
     config,
@@ -80,9 +81,9 @@ def test_only_the_request_that_read_reports_the_reads(reference: dict) -> None:
     assert len(conn.block_ids) == 1  # one load
     m1, m2 = out[first].metrics, out[second].metrics
     assert m1.num_pulled_tokens == 40 and m1.num_read_blocks == 10
-    assert m1.read_s >= 0.05
+    assert m1.read_s >= 0.05 and m1.read_from == PEER  # the link whose cost it measured
     assert m2.num_pulled_tokens == 0 and m2.num_local_hit_tokens == 40
-    assert m2.num_read_blocks == 0 and m2.read_s == 0.0
+    assert m2.num_read_blocks == 0 and m2.read_s == 0.0 and m2.read_from is None
     assert out[second].token_ids == reference[key(PREFIX, GREEDY)]
 
 

@@ -177,6 +177,7 @@ def test_incarnation_and_restart_empty(fingerprint: str) -> None:
         "backlog": {"w": 16},
         "queued": {"w": 1},
         "last_pending_id": pid,
+        "nodes": {"w": None},  # registered without a node
     }
     assert ray.get(index.drop_pending.remote(pid)) and not ray.get(index.drop_pending.remote(pid))
     ray.kill(index, no_restart=False)  # a crash: restarted under the same name, empty

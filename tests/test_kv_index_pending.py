@@ -85,6 +85,7 @@ def test_pending_lookup_depth_wait_tokens_and_backlog() -> None:
         "backlog": got["backlog"],
         "queued": {"a": 2, "b": 1, "c": 1},
         "last_pending_id": p4,
+        "nodes": {"a": None, "b": None},  # the registered ones (without a node)
     }
     assert idx.drop_pending(p2) and not idx.drop_pending(p2) and not idx.drop_pending(999)
     got = idx.route_lookup(BASE)

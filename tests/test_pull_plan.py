@@ -20,6 +20,7 @@ from kvmesh.cluster.worker_deployment import pull_plan
 from kvmesh.cluster.worker_request import Plan
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.fault_transport import TransferFaults
+from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.worker_actor import worker_actor_class
@@ -73,6 +74,12 @@ def test_the_plan_is_used_and_a_stale_one_falls_back(reference: dict) -> None:
     try:
         a_id = worker_id(a)
         depth = (len(PREFIX) - 1) // BS
+        # Each worker registered the node its KV lives on (routers and peers pull from the
+        # nearest holder): this one-node cluster's.
+        fingerprint = ray.get(a.ready.remote())["fingerprint"]
+        nodes = ray.get(get_index_actor(fingerprint).route_lookup.remote([]))["nodes"]
+        here = ray.get_runtime_context().get_node_id()
+        assert nodes == {a_id: here, worker_id(b): here}
         ray.get(a.generate.remote(PREFIX, GREEDY))
         flush([a])
         assert wait_until(lambda: stats(b)["known_peers"] >= 1, 15)
@@ -83,6 +90,7 @@ def test_the_plan_is_used_and_a_stale_one_falls_back(reference: dict) -> None:
         after = stats(b)
         assert out.metrics.num_pulled_tokens == depth * BS
         assert out.metrics.num_read_blocks == depth and out.metrics.read_s > 0
+        assert out.metrics.read_from == a_id  # whose link the read's cost is
         assert out.token_ids == reference[key(PREFIX, GREEDY)]
         assert after["index_lookups"] == before["index_lookups"]
         assert after["pulls"] == before["pulls"] + 1

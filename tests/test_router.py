@@ -3,7 +3,7 @@
 import pytest
 
 from kvmesh.cluster.request_router import _holder
-from kvmesh.cluster.router import PRIOR_T_TOKEN_S, CostModel, Router, WorkerView
+from kvmesh.cluster.router import MAX_LINKS, PRIOR_T_TOKEN_S, CostModel, Router, WorkerView
 from kvmesh.connector.events import EventBatch, Stored, encode_batch
 from kvmesh.connector.holder_sets import pullable_depths
 from kvmesh.connector.kv_index import KvIndex
@@ -308,6 +308,7 @@ def test_a_holders_promotions_teach_its_host_block_cost() -> None:
 def test_the_plans_holder_is_the_deepest_pool_or_tier_of_any_worker() -> None:
     """Every worker the index knows counts, not only this deployment's replicas (the decode
     router pulls from a prefill worker); a holder's host and disk tiers count too."""
+    r = Router("kv_aware", BS)
     info = {
         "held": {"prefill-1": 5, "decode-2": 3},
         "tiers": {
@@ -315,13 +316,13 @@ def test_the_plans_holder_is_the_deepest_pool_or_tier_of_any_worker() -> None:
             "decode-4": {"device": 0, "host": 0, "disk": 20},
         },
     }
-    assert _holder(info, "decode-2") == "decode-4"
-    assert _holder(info, "decode-4") == "decode-3"
+    assert _holder(info, "decode-2", r, 64) == "decode-4"
+    assert _holder(info, "decode-4", r, 64) == "decode-3"
     del info["tiers"]["decode-4"]
-    assert _holder(info, "decode-3") == "prefill-1"
-    assert _holder({"held": {"prefill-1": 5}}, "decode-2") == "prefill-1"
-    assert _holder({"held": {"decode-2": 5}}, "decode-2") is None
-    assert _holder({}, "decode-2") is None
+    assert _holder(info, "decode-3", r, 64) == "prefill-1"
+    assert _holder({"held": {"prefill-1": 5}}, "decode-2", r, 64) == "prefill-1"
+    assert _holder({"held": {"decode-2": 5}}, "decode-2", r, 64) is None
+    assert _holder({}, "decode-2", r, 64) is None
 
 
 def tier_view(t: dict[str, int]) -> dict[str, int]:
@@ -341,9 +342,88 @@ def test_the_index_the_plan_and_the_view_agree_on_what_a_peer_can_pull() -> None
         token = index.register(w, "fp")
         assert index.apply(encode_batch(EventBatch(w, 0, evs)), token).status == "applied"
     held, tiers = index.lookup(hashes), index.tier_depths(hashes)
+    r = Router("kv_aware", BS)
     assert pullable_depths(held, tiers) == index.pull_depths(hashes) == {"a": 4, "b": 6}
     assert index.pull_depths(hashes, exclude="b") == pullable_depths(held, tiers, "b") == {"a": 4}
-    assert _holder({"held": held, "tiers": tiers}, "a") == "b"
-    assert _holder({"held": held, "tiers": tiers}, "b") == "a"
+    assert _holder({"held": held, "tiers": tiers}, "a", r, 6) == "b"
+    assert _holder({"held": held, "tiers": tiers}, "b", r, 6) == "a"
     views = {w: WorkerView(held.get(w, 0), **tier_view(tiers[w])) for w in "ab"}
     assert {w: v.pull_depth for w, v in views.items()} == {"a": 4, "b": 6}
+
+
+def report(samples: int = 5, **costs: float) -> dict:
+    """A worker's routing stats: the costs it measured, each on ``samples`` samples."""
+    keys = {"t_token_s": "token", "t_pull_block_s": "pull", "t_disk_block_s": "disk"}
+    links = costs.pop("pull_links", {})
+    return {**costs, "samples": {keys[k]: samples for k in costs}, "pull_links": links}
+
+
+def test_each_worker_is_charged_its_own_measured_costs() -> None:
+    """A worker on a faster device computes for less, one with a slower disk loads for more,
+    and a worker that measured nothing yet is charged the others' mean. (The router charged
+    every worker the mean, so equal prompts tied and went by name.)"""
+    r = Router("kv_aware", BS)
+    r.learn({"a": report(t_token_s=4e-3), "b": report(t_token_s=1e-3), "c": report()})
+    assert r.cost_of("c").t_token_s == pytest.approx(2.5e-3)
+    assert r.cost_of("unknown").t_token_s == pytest.approx(2.5e-3)
+    tokens = 64 * BS + 5
+    c = r.choose(["a", "b", "c"], {}, tokens)
+    assert c.worker == "b" and c.estimated_ttft_s == pytest.approx(tokens * 1e-3)
+    # Both hold the prompt on disk; b's disk is the slow one, so a computes less overall.
+    r.learn(
+        {
+            "a": report(t_token_s=1e-3, t_disk_block_s=1e-3),
+            "b": report(t_token_s=1e-3, t_disk_block_s=50e-3),
+        }
+    )
+    on_disk = {w: WorkerView(disk_depth=64) for w in "ab"}
+    assert r.choose(["a", "b"], on_disk, tokens).worker == "a"
+    # A worker's report that lacks a cost keeps the mean for it, not the prior.
+    r.learn({"a": report(t_token_s=1e-3), "b": report(t_pull_block_s=7e-3)})
+    assert r.cost_of("a").t_pull_block_s == pytest.approx(7e-3)
+    assert r.cost_of("b").t_token_s == pytest.approx(1e-3)
+
+
+def test_a_pull_is_charged_its_links_cost_and_comes_from_the_nearest_holder() -> None:
+    """h1 and h2 (busy) hold the prompt; a reaches h1 over a fast link (its own host) and h2
+    over a slow one, b only over slow links. a pulls, from h1, though h2 wins by name."""
+    cost = CostModel()
+    for _ in range(5):
+        cost.observe(0.05, 5, 64, 0, pull_s=0.02, read_from="h1")
+        cost.observe(0.5, 5, 64, 0, pull_s=0.5, read_from="h2")
+        cost.observe(0.5, 5, 64, 0, pull_s=0.5)  # reads from several peers: no link's
+    assert cost.pull_links == pytest.approx({"h1": 0.02 / 64, "h2": 0.5 / 64})
+    assert cost.link_samples == {"h1": 5, "h2": 5} and cost.samples["pull"] == 15
+
+    r = Router("kv_aware", BS)
+    slow = 0.5 / 64
+    r.learn(
+        {
+            "a": report(t_token_s=1e-3, t_pull_block_s=slow, pull_links=cost.pull_links),
+            "b": report(t_token_s=1e-3, t_pull_block_s=slow),
+        }
+    )
+    tokens = 64 * BS + 5
+    views = {h: WorkerView(queue=50, depth=64) for h in ("h1", "h2")}
+    c = r.choose(["a", "b", "h1", "h2"], views, tokens)
+    assert c.worker == "a" and c.pull_blocks == 64
+    assert c.estimated_ttft_s == pytest.approx(0.02 + 5 * 1e-3)
+    assert r.pick_holder("a", {"h1": 64, "h2": 64}, {}) == "h1"
+    assert r.pick_holder("b", {"h1": 64, "h2": 64}, {}) == "h2"  # no link known: by name
+    assert r.pick_holder("a", {"h1": 63, "h2": 64}, {}) == "h2"  # the deeper first
+    # The plan's holder agrees, counting only the blocks the prompt can hit.
+    info = {"held": {"h1": 64, "h2": 80}}
+    assert _holder(info, "a", r, 64) == "h1"
+    assert _holder(info, "b", r, 64) == "h2"
+
+
+def test_link_costs_keep_the_most_recent_peers() -> None:
+    cost = CostModel()
+    for i in range(MAX_LINKS + 10):
+        cost.observe(0.1, 5, 4, 0, pull_s=0.01, read_from=f"w{i}")
+    assert "w9" not in cost.pull_links and "w10" in cost.pull_links  # the oldest went
+    cost.observe(0.1, 5, 4, 0, pull_s=0.01, read_from="w10")  # used again: now the newest
+    cost.observe(0.1, 5, 4, 0, pull_s=0.01, read_from="new")
+    assert len(cost.pull_links) == len(cost.link_samples) == MAX_LINKS
+    assert "w10" in cost.pull_links and "w11" not in cost.pull_links
+    assert cost.link_samples["w10"] == 2

@@ -45,8 +45,10 @@ class LoadOutcome:
     # computing its prefix (``request.may_pull`` is False).
     restart: bool = False
     medium: str = "peer"  # where the loaded tokens came from (``LoadResult.medium``)
-    read_blocks: int = 0  # the load's peer reads (``LoadResult.read_blocks`` / ``read_s``)
+    # The load's peer reads (``LoadResult.read_blocks`` / ``read_s`` / ``read_from``).
+    read_blocks: int = 0
     read_s: float = 0.0
+    read_from: str | None = None
 
 
 class RequestTooLargeError(ValueError):

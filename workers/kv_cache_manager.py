@@ -241,26 +241,23 @@ class KVCacheManager:
                 continue
             rid = load.request.request_id
             del self.loading[rid]
+            reads = {
+                "read_blocks": result.read_blocks,
+                "read_s": result.read_s,
+                "read_from": result.read_from,
+            }
             if result.writing:
                 blocks = self.req_to_blocks.pop(rid)
                 self.num_cached_blocks.pop(rid, None)
                 self._release(blocks, load.blocks, result)
                 load.request.may_pull = False
-                reads = {"read_blocks": result.read_blocks, "read_s": result.read_s}
                 out.append(LoadOutcome(load.request, 0, restart=True, **reads))
                 continue
             self.num_cached_blocks[rid] = load.num_local_blocks + n
             if load.num_local_blocks or n:
                 self.connector.on_hit(rid, load.num_local_blocks, n)
-            out.append(
-                LoadOutcome(
-                    load.request,
-                    n * self.block_size,
-                    medium=result.medium,
-                    read_blocks=result.read_blocks,
-                    read_s=result.read_s,
-                )
-            )
+            loaded = n * self.block_size
+            out.append(LoadOutcome(load.request, loaded, medium=result.medium, **reads))
         return out
 
     def _release(self, blocks: list[KVBlock], busy: list[KVBlock], result: LoadResult) -> None:

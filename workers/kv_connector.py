@@ -93,7 +93,9 @@ class LoadResult:
     same ``load_id`` with ``writing=False`` says it has stopped. ``medium``: where the blocks
     came from: a peer's pool (pulled), or this worker's host or disk tier (the slowest read).
     ``read_blocks`` / ``read_s``: the peer reads this load made, failed ones included (blocks
-    asked for, seconds in the transport): what the router learns a pull's cost from.
+    asked for, seconds in the transport): what the router learns a pull's cost from;
+    ``read_from``: the peer they all read from (None: none, or more than one), whose link
+    that cost is.
     """
 
     load_id: int
@@ -102,6 +104,7 @@ class LoadResult:
     medium: str = "peer"
     read_blocks: int = 0
     read_s: float = 0.0
+    read_from: str | None = None
 
 
 class KvCacheConnector(ABC):

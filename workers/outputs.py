@@ -33,6 +33,7 @@ class RequestMetrics:
     # and hit its blocks read nothing: the router learns a pull's cost from the reader alone.
     num_read_blocks: int = 0
     read_s: float = 0.0
+    read_from: str | None = None  # the peer all those reads were from (None: several, none)
 
     @property
     def ttft_s(self) -> float | None:

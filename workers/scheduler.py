@@ -142,11 +142,15 @@ class Scheduler:
                 continue
             del self.loading[req.request_id]
             started = self._load_started.pop(req.request_id, None)
-            if req.metrics.first_token_time is None:
+            m = req.metrics
+            if m.first_token_time is None:
                 if started is not None:
-                    req.metrics.kv_load_s = time.perf_counter() - started
-                req.metrics.num_read_blocks += outcome.read_blocks
-                req.metrics.read_s += outcome.read_s
+                    m.kv_load_s = time.perf_counter() - started
+                if outcome.read_blocks:  # one peer's link only if every read was from it
+                    one = m.num_read_blocks == 0 or m.read_from == outcome.read_from
+                    m.read_from = outcome.read_from if one else None
+                m.num_read_blocks += outcome.read_blocks
+                m.read_s += outcome.read_s
             if outcome.restart:
                 req.num_kv_tokens = 0
                 req.status = RequestStatus.WAITING
