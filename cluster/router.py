@@ -211,9 +211,10 @@ def _tier_load(m: RequestMetrics, block_size: int) -> tuple[str, int, float] | N
     return None
 
 
-def _sampled(report: Mapping[str, Any], sample: str) -> bool:
-    """Whether a worker's report carries a measured value of the cost ``sample`` names."""
-    return bool(report.get("samples", {}).get(sample))
+def _sampled(report: Mapping[str, Any], key: str, sample: str) -> bool:
+    """Whether a worker's report carries a measured value of cost ``key`` (samples key
+    ``sample``); a report without it (another version's replica) counts as none."""
+    return isinstance(report.get(key), int | float) and bool(report.get("samples", {}).get(sample))
 
 
 def _ema(old: float, new: float, seen: int) -> float:
@@ -261,12 +262,15 @@ class Router:
         and ``samples``, how many samples each rests on). A cost a worker has no sample of yet
         is the mean over the workers that have one, or what the router had (the prior)."""
         for key, sample in COSTS:
-            seen = [r[key] for r in reports.values() if _sampled(r, sample)]
+            seen = [r[key] for r in reports.values() if _sampled(r, key, sample)]
             if seen:
                 setattr(self.cost, key, sum(seen) / len(seen))
         self.worker_costs = {
             w: CostModel(
-                **{key: r[key] if _sampled(r, s) else getattr(self.cost, key) for key, s in COSTS},
+                **{
+                    key: r[key] if _sampled(r, key, s) else getattr(self.cost, key)
+                    for key, s in COSTS
+                },
                 samples={s: int(r.get("samples", {}).get(s, 0)) for _, s in COSTS},
                 pull_links=dict(r.get("pull_links", {})),
             )

@@ -382,6 +382,10 @@ def test_each_worker_is_charged_its_own_measured_costs() -> None:
     r.learn({"a": report(t_token_s=1e-3), "b": report(t_pull_block_s=7e-3)})
     assert r.cost_of("a").t_pull_block_s == pytest.approx(7e-3)
     assert r.cost_of("b").t_token_s == pytest.approx(1e-3)
+    # A report that counts samples of a cost it does not carry (another version's replica)
+    # is taken as no sample, never a failed decision.
+    r.learn({"a": {"samples": {"token": 3}}, "b": report(t_token_s=2e-3)})
+    assert r.cost_of("a").t_token_s == pytest.approx(2e-3)
 
 
 def test_a_pull_is_charged_its_links_cost_and_comes_from_the_nearest_holder() -> None:
