@@ -28,7 +28,8 @@ paid back as a recompute.
 ``t_token`` (compute time per prompt token), ``t_pull_block`` (time per pulled block),
 ``t_host_block`` / ``t_disk_block`` (time per block loaded from a tier) and ``t_queue`` (time a
 queued request adds) are exponential moving averages of what finished requests report:
-measured while running, never constants (they start from rough priors). Each worker measures
+measured while running, never constants (they start from rough priors; ``CostModel`` in
+cluster/cost_model.py). Each worker measures
 its own, and each worker is charged its own (``Router.learn``): a worker on a faster device
 computes for less, and one behind a slower disk loads for more. The holder's costs price what
 the holder does (promoting blocks for a pin, computing a prefix another worker waits for).
@@ -39,30 +40,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.cluster.cost_model import CostModel, worker_costs
 from kvmesh.connector.holder_sets import nearest_holder, pullable_depth
-from kvmesh.workers.outputs import RequestMetrics
-
-PRIOR_T_TOKEN_S = 2e-3
-PRIOR_T_PULL_BLOCK_S = 2e-4
-PRIOR_T_QUEUE_S = 0.05
-PRIOR_T_HOST_BLOCK_S = 1e-4
-PRIOR_T_DISK_BLOCK_S = 1e-3
-EMA = 0.2
-# (CostModel attribute, its key in CostModel.samples): every measured cost.
-COSTS = (
-    ("t_token_s", "token"),
-    ("t_pull_block_s", "pull"),
-    ("t_queue_s", "queue"),
-    ("t_host_block_s", "host"),
-    ("t_disk_block_s", "disk"),
-)
-# A prefill this short measures a step's fixed cost (a batch's decodes, the sampler), not its
-# tokens: 14 tokens in a 7 ms step would teach 0.5 ms a token where 2,000 take 30 us each.
-MIN_LEARN_TOKENS = 64
-MAX_LINKS = 256  # peers whose link costs a worker keeps
 
 
 @dataclass(frozen=True)
@@ -88,140 +70,6 @@ class WorkerView:
     def pull_depth(self) -> int:
         """Leading blocks a peer can pull from it (:func:`pullable_depth`)."""
         return pullable_depth(self.depth, {"host": self.host_depth, "disk": self.disk_depth})
-
-
-@dataclass
-class CostModel:
-    t_token_s: float = PRIOR_T_TOKEN_S
-    t_pull_block_s: float = PRIOR_T_PULL_BLOCK_S
-    t_queue_s: float = PRIOR_T_QUEUE_S
-    t_host_block_s: float = PRIOR_T_HOST_BLOCK_S
-    t_disk_block_s: float = PRIOR_T_DISK_BLOCK_S
-    samples: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("token", "pull", "queue", "host", "disk"), 0)
-    )
-    # t_pull_block over the link from each peer (learned from requests whose reads all came
-    # from that peer; a peer on this host is not one across a network), the most recently
-    # used MAX_LINKS; a peer not here costs t_pull_block_s.
-    pull_links: dict[str, float] = field(default_factory=dict)
-    link_samples: dict[str, int] = field(default_factory=dict)
-
-    def t_pull_block_from(self, holder: str | None) -> float:
-        """Seconds a block pulled from ``holder`` costs (its link's, when measured)."""
-        return self.pull_links.get(holder, self.t_pull_block_s) if holder else self.t_pull_block_s
-
-    def observe(
-        self,
-        ttft_s: float,
-        computed_tokens: int,
-        pulled_blocks: int,
-        queue_len: int,
-        pull_s: float | None = None,
-        backlog_tokens: int = 0,
-        read_blocks: int | None = None,
-        block_size: int = 0,
-        queue_s: float | None = None,
-        tier: tuple[str, int, float] | None = None,
-        read_from: str | None = None,
-    ) -> None:
-        """Fold one finished request's TTFT (as its worker measured it) into the estimates.
-        ``queue_len`` / ``backlog_tokens``: what was ahead of it on its worker when routed.
-        ``pull_s``: its time in reads of ``read_blocks`` blocks (default ``pulled_blocks``).
-        Reads that failed count too, at what trying cost: their time plus computing the
-        blocks they did not bring (``block_size`` tokens each). A link too slow for the
-        read's timeout then teaches the router to compute, not to keep pulling in vain.
-        ``queue_s``: how long it waited to be scheduled, when the worker measured it: that
-        wait is the queue's, never the prompt's (a request that computed 10 tokens after
-        waiting 0.4 s for a free sequence slot must not teach 40 ms per token).
-        ``tier``: (medium, blocks, seconds) of a load from the worker's own host or disk tier.
-        ``read_from``: the peer every read was from, whose link's cost they teach too.
-        """
-        queue_part = queue_len * self.t_queue_s if queue_s is None else queue_s
-        tier_part = 0.0
-        if tier is not None and tier[1] > 0:
-            self.observe_tier(*tier)
-            tier_part = tier[2]
-        read_blocks = pulled_blocks if read_blocks is None else read_blocks
-        if read_blocks and pull_s is not None:
-            failed_tokens = max(read_blocks - pulled_blocks, 0) * block_size
-            per_block = (pull_s + failed_tokens * self.t_token_s) / read_blocks
-            self.t_pull_block_s = _ema(self.t_pull_block_s, per_block, self.samples["pull"])
-            self.samples["pull"] += 1
-            if read_from is not None:
-                self._observe_link(read_from, per_block)
-        pull_part = pulled_blocks * self.t_pull_block_s if pull_s is None else pull_s
-        if computed_tokens >= MIN_LEARN_TOKENS:
-            tokens = computed_tokens + backlog_tokens
-            per_token = max(ttft_s - pull_part - tier_part - queue_part, 0.0) / tokens
-            self.t_token_s = _ema(self.t_token_s, per_token, self.samples["token"])
-            self.samples["token"] += 1
-        if queue_len:
-            if queue_s is None:
-                own = (computed_tokens + backlog_tokens) * self.t_token_s + pull_part + tier_part
-                queue_s = max(ttft_s - own, 0.0)
-            self.t_queue_s = _ema(self.t_queue_s, queue_s / queue_len, self.samples["queue"])
-            self.samples["queue"] += 1
-
-    def _observe_link(self, holder: str, per_block: float) -> None:
-        seen = self.link_samples.pop(holder, 0)
-        old = self.pull_links.pop(holder, per_block)
-        self.pull_links[holder] = _ema(old, per_block, seen)  # re-added: the most recent last
-        self.link_samples[holder] = seen + 1
-        while len(self.pull_links) > MAX_LINKS:  # peers come and go: forget the oldest
-            oldest = next(iter(self.pull_links))
-            del self.pull_links[oldest], self.link_samples[oldest]
-
-    def observe_request(self, m: RequestMetrics, queue_len: int, block_size: int) -> None:
-        """``observe`` for a finished request as its worker measured it (``m``): the pull
-        time is that of its own reads (a read that failed counts; a request that hit the
-        blocks another request here pulled read nothing and teaches nothing about pulls)."""
-        if m.ttft_s is None:
-            return
-        self.observe(
-            m.ttft_s,
-            m.num_computed_tokens,
-            m.num_pulled_tokens // block_size,
-            queue_len,
-            pull_s=m.read_s if m.num_read_blocks else None,
-            read_blocks=m.num_read_blocks or None,
-            block_size=block_size,
-            queue_s=None
-            if m.first_scheduled_time is None
-            else m.first_scheduled_time - m.arrival_time,
-            tier=_tier_load(m, block_size),
-            read_from=m.read_from,
-        )
-
-    def observe_tier(self, medium: str, blocks: int, seconds: float) -> None:
-        """``blocks`` copied from this worker's ``medium`` tier ("host" or "disk") into its
-        pool in ``seconds``: a load, or a promotion a peer's pin asked for (the same copy)."""
-        if blocks <= 0:
-            return
-        key = f"t_{medium}_block_s"
-        setattr(self, key, _ema(getattr(self, key), seconds / blocks, self.samples[medium]))
-        self.samples[medium] += 1
-
-
-def _tier_load(m: RequestMetrics, block_size: int) -> tuple[str, int, float] | None:
-    """(medium, blocks, seconds) of a request's load from its worker's own tier, if any (a
-    load counts under the slowest medium it read)."""
-    for medium, tokens in (("disk", m.num_disk_hit_tokens), ("host", m.num_host_hit_tokens)):
-        if tokens >= block_size:
-            return medium, tokens // block_size, m.kv_load_s
-    return None
-
-
-def _sampled(report: Mapping[str, Any], key: str, sample: str) -> bool:
-    """Whether a worker's report carries a measured value of cost ``key`` (samples key
-    ``sample``); a report without it (another version's replica) counts as none."""
-    return isinstance(report.get(key), int | float) and bool(report.get("samples", {}).get(sample))
-
-
-def _ema(old: float, new: float, seen: int) -> float:
-    """The moving average after ``seen`` earlier samples: their plain mean until there are
-    1 / EMA of them (the prior is dropped at the first), then exponential."""
-    weight = max(EMA, 1 / (seen + 1))
-    return (1 - weight) * old + weight * new
 
 
 @dataclass(frozen=True)
@@ -258,24 +106,8 @@ class Router:
         self._rr = itertools.count()
 
     def learn(self, reports: Mapping[str, Mapping[str, Any]]) -> None:
-        """Take each worker's measured costs from its report (its routing stats: the costs
-        and ``samples``, how many samples each rests on). A cost a worker has no sample of yet
-        is the mean over the workers that have one, or what the router had (the prior)."""
-        for key, sample in COSTS:
-            seen = [r[key] for r in reports.values() if _sampled(r, key, sample)]
-            if seen:
-                setattr(self.cost, key, sum(seen) / len(seen))
-        self.worker_costs = {
-            w: CostModel(
-                **{
-                    key: r[key] if _sampled(r, key, s) else getattr(self.cost, key)
-                    for key, s in COSTS
-                },
-                samples={s: int(r.get("samples", {}).get(s, 0)) for _, s in COSTS},
-                pull_links=dict(r.get("pull_links", {})),
-            )
-            for w, r in reports.items()
-        }
+        """Take each worker's measured costs from its report (``worker_costs``)."""
+        self.worker_costs = worker_costs(reports, self.cost)
 
     def cost_of(self, worker: str) -> CostModel:
         """The costs ``worker`` measured, or the cluster's mean when it reported none."""
@@ -318,9 +150,10 @@ class Router:
         if self.policy == "least_loaded":
             return Choice(min(candidates, key=lambda w: (views.get(w, empty).queue, w)))
         best: tuple[tuple[float, int, str], str, _Option] | None = None
+        nodes = {name: v.node for name, v in views.items()}
         for w in candidates:
             v = views.get(w, empty)
-            for opt in self._options(w, v, views, n, partial):
+            for opt in self._options(w, v, views, nodes, n, partial):
                 key = (opt.cost, v.queue, w)
                 if best is None or key < best[0]:
                     best = (key, w, opt)
@@ -349,6 +182,7 @@ class Router:
         w: str,
         v: WorkerView,
         views: Mapping[str, WorkerView],
+        nodes: Mapping[str, str | None],
         n: int,
         partial: int,
     ) -> list[_Option]:
@@ -372,9 +206,7 @@ class Router:
         c = self.cost_of(w)
         load_s = (in_host - local) * c.t_host_block_s + (own - in_host) * c.t_disk_block_s
         holder = self.pick_holder(
-            w,
-            {name: min(p.pull_depth, n) for name, p in others.items()},
-            {name: p.node for name, p in views.items()},
+            w, {name: min(p.pull_depth, n) for name, p in others.items()}, nodes
         )
         reach = max(local, held[0]) if self.connector else local
         duplicate = max(computing - max(reach, own), 0) if self.connector else 0

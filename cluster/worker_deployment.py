@@ -26,8 +26,8 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.cost_model import CostModel
 from kvmesh.cluster.replica_logs import log_like_serve
-from kvmesh.cluster.router import CostModel
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.index_actor import get_index_actor
