@@ -88,7 +88,7 @@ class KvAwareRequestRouter(RequestRouter):
         info = await self._index_call("route_lookup", request.chain) or {}
         views = self._views(replicas, info)
         choice = self.router.choose(sorted(replicas), views, request.num_context_tokens)
-        n = max(request.num_context_tokens - 1, 0) // self.router.block_size
+        n = self.router.hit_blocks(request.num_context_tokens)
         holder = _holder(info, choice.worker, self.router, n)
         plan = Plan(
             worker=choice.worker,

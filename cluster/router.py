@@ -124,6 +124,11 @@ class Router:
             others, nodes.get(worker), nodes, self.cost_of(worker).t_pull_block_from
         )
 
+    def hit_blocks(self, num_prompt_tokens: int) -> int:
+        """The prompt's blocks a cache can give: the last token is always computed (for its
+        logits), so only (tokens - 1) // block_size."""
+        return max(num_prompt_tokens - 1, 0) // self.block_size
+
     @property
     def needs_lookup(self) -> bool:
         return self.policy == "kv_aware"
@@ -143,8 +148,7 @@ class Router:
         if self.policy == "round_robin":
             return Choice(candidates[next(self._rr) % len(candidates)])
         empty = WorkerView()
-        # The last token is always computed, so only (n - 1) // block_size blocks can hit.
-        n = max(num_prompt_tokens - 1, 0) // self.block_size
+        n = self.hit_blocks(num_prompt_tokens)
         partial = num_prompt_tokens - n * self.block_size
         candidates = self._with_room(candidates, views, n)
         if self.policy == "least_loaded":
