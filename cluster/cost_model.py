@@ -32,9 +32,9 @@ COSTS = (
     ("t_host_block_s", "host"),
     ("t_disk_block_s", "disk"),
 )
+SAMPLES = tuple(sample for _, sample in COSTS)
 # A prefill this short measures a step's fixed cost (a batch's decodes, the sampler), not its
 # tokens: 14 tokens in a 7 ms step would teach 0.5 ms a token where 2,000 take 30 us each.
-SAMPLES = tuple(sample for _, sample in COSTS)
 MIN_LEARN_TOKENS = 64
 MAX_LINKS = 256  # peers whose link costs a worker keeps
 
@@ -52,6 +52,15 @@ class CostModel:
     # used MAX_LINKS; a peer not here costs t_pull_block_s.
     pull_links: dict[str, float] = field(default_factory=dict)
     link_samples: dict[str, int] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        """What a worker reports with its routing stats, as ``worker_costs`` reads it: the
+        costs, their sample counts and the link costs."""
+        return {
+            **{key: getattr(self, key) for key, _ in COSTS},
+            "samples": dict(self.samples),
+            "pull_links": dict(self.pull_links),
+        }
 
     def t_pull_block_from(self, holder: str | None) -> float:
         """Seconds a block pulled from ``holder`` costs (its link's, when measured)."""

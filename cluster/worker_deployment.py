@@ -299,18 +299,7 @@ class WorkerDeployment:
             occupancy = {}
         if self._host_tier:
             await self._learn_promotions()
-        c = self.cost
-        self._stats = {
-            **occupancy,
-            "t_token_s": c.t_token_s,
-            "t_pull_block_s": c.t_pull_block_s,
-            "t_queue_s": c.t_queue_s,
-            "t_host_block_s": c.t_host_block_s,
-            "t_disk_block_s": c.t_disk_block_s,
-            "samples": dict(c.samples),
-            "pull_links": dict(c.pull_links),
-            "at": time.time(),
-        }
+        self._stats = {**occupancy, **self.cost.report(), "at": time.time()}
         return self._stats
 
     async def _learn_promotions(self) -> None:

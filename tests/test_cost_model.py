@@ -3,7 +3,7 @@ loads and promotions, per-peer link costs."""
 
 import pytest
 
-from kvmesh.cluster.cost_model import MAX_LINKS, PRIOR_T_TOKEN_S, CostModel
+from kvmesh.cluster.cost_model import MAX_LINKS, PRIOR_T_TOKEN_S, CostModel, worker_costs
 from kvmesh.workers.outputs import RequestMetrics
 
 BS = 16
@@ -88,3 +88,13 @@ def test_link_costs_keep_the_most_recent_peers() -> None:
     assert len(cost.pull_links) == len(cost.link_samples) == MAX_LINKS
     assert "w10" in cost.pull_links and "w11" not in cost.pull_links
     assert cost.link_samples["w10"] == 2
+
+
+def test_a_workers_report_reads_back_as_its_costs() -> None:
+    """``report`` (what a replica sends with its routing stats) and ``worker_costs`` (what the
+    router reads) agree on every cost, its samples and the links."""
+    cost = CostModel()
+    cost.observe(0.2, 100, 4, 0, pull_s=0.04, read_from="peer")
+    cost.observe_tier("disk", 10, 0.05)
+    (back,) = worker_costs({"w": cost.report()}, CostModel()).values()
+    assert back == CostModel(**{**vars(cost), "link_samples": {}})
