@@ -256,8 +256,9 @@ def test_fingerprint_namespace_covers_the_new_fields() -> None:
         replace(base, attention="FlashAttentionBackend"),
         replace(base, device="cuda"),
         replace(base, quantized_matmul=True),
+        replace(base, rmsnorm="cpu_kernel"),
     ]
-    assert len({base.id, *(v.id for v in variants)}) == 4
+    assert len({base.id, *(v.id for v in variants)}) == 5
 
 
 def test_kv_index_module_has_no_ray() -> None:

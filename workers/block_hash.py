@@ -132,6 +132,7 @@ class ModelFingerprint:
     device: str = "cpu"  # device type: "cpu", "cuda"
     compute_dtype: str = "float32"  # the model's dtype (``dtype`` is the cache's)
     quantized_matmul: bool = False  # matmuls on quantized weight blocks (applied, not asked)
+    rmsnorm: str = "torch"  # "cpu_kernel": RMSNorm in C (its sums of squares in another order)
 
     @property
     def namespace(self) -> bytes:

@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvmesh_isa_bits": (i32, []),
         # ..., scale, threads, kv_dtype
         "kva_paged_attention": (i32, [ptr] * 5 + [i32] * 6 + [ptr] * 6 + [f32, i32, i32]),
+        "kvn_rope": (i32, [ptr, i64, ptr, ptr, i64, i64, i64, i32]),
+        "kvn_rmsnorm": (i32, [ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
     }
     for name, (res, args) in signatures.items():
         fn = getattr(lib, name)

@@ -44,17 +44,20 @@ logger = logging.getLogger(__name__)
 KV_LAYOUT = "L2NBHD"  # KVCache.data: [layers, K/V, blocks, block_size, kv_heads, head_dim]
 
 
-def _attention_id(backend: object, device: torch.device, dtype: torch.dtype) -> str:
-    """The attention implementation for the fingerprint: the backend's class, plus
-    "+cpu_kernel.vN" (N: `KERNEL_NUMERICS`) when the torch backend runs its rows through the
-    C kernel (CPU, float32, the kernels built, and not turned off), as
-    `TorchAttentionBackend` decides."""
-    name = type(backend).__name__
+def _cpu_kernels_on(backend: object, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the torch backend runs its rows through the C kernel (CPU, float32, the kernels
+    built, and not turned off), as `TorchAttentionBackend` decides; the model's RMSNorm and
+    RoPE take theirs exactly then too."""
     kernel = getattr(backend, "cpu_kernel", None)
     on_cpu_f32 = device.type == "cpu" and dtype == torch.float32
-    if on_cpu_f32 and kernel is not False and (kernel or kernel_library() is not None):
-        name += f"+cpu_kernel.v{KERNEL_NUMERICS}"
-    return name
+    return on_cpu_f32 and kernel is not False and (kernel or kernel_library() is not None)
+
+
+def _attention_id(backend: object, kernels: bool) -> str:
+    """The attention implementation for the fingerprint: the backend's class, plus
+    "+cpu_kernel.vN" (N: `KERNEL_NUMERICS`) with the C kernel."""
+    name = type(backend).__name__
+    return name + f"+cpu_kernel.v{KERNEL_NUMERICS}" if kernels else name
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class LLMEngine:
         if config.quantized_matmul and weights.quantized and on_cpu_f32 and kernel_library():
             self.num_quantized_weights = self.model.use_quantized(weights.quantized)
         weights_id = weights.weights_id
+        kernels = _cpu_kernels_on(backend, self.device, self.dtype)
+        norm_kernel = kernels and self.model.use_cpu_kernels()
         del weights  # the model holds its own copy of the tensors
 
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_memory(
@@ -138,10 +143,12 @@ class LLMEngine:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             # What else changes the numbers, so the KV bytes of every layer after the first:
-            # the attention implementation, the device, and quantized matmuls if applied.
-            attention=_attention_id(backend, self.device, self.dtype),
+            # the attention implementation, the device, quantized matmuls and the C RMSNorm if
+            # applied.
+            attention=_attention_id(backend, kernels),
             device=self.device.type,
             quantized_matmul=self.num_quantized_weights > 0,
+            rmsnorm="cpu_kernel" if norm_kernel else "torch",
         )
         if connector is not None and not isinstance(connector, KvCacheConnector):
             connector = connector(ConnectorContext(worker_id, self.kv_cache, self.fingerprint))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.workers.attention import AttentionBackend, AttentionMetadata
+from kvmesh.workers.cpu_kernels import require_library
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.model_config import ModelConfig
 from kvmesh.workers.qmatmul import PackedWeight, QuantizedWeight, fuse, pack, qmatmul
@@ -28,12 +29,43 @@ _INITIAL_ROPE_ROWS = 4096
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; given the residual too, it adds it first and returns the sum as the next
+    residual (vLLM's fused add): `norm(x)`, or `(norm(x + residual), x + residual)`."""
+
+    # One C call (csrc/norm_rope.c) instead of ~7 torch ops; its sum of squares runs in
+    # another order (last-bit differences, fingerprinted). Set by use_cpu_kernels.
+    kernel: bool = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H] -> [T, H]
+        if self.kernel:
+            return self._kernel(x, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _kernel(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x is a sublayer's fresh output (or the embeddings' copy), so the sum may go into it.
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        res = residual.contiguous() if residual is not None else None
+        rc = require_library().kvn_rmsnorm(
+            x.data_ptr(), None if res is None else res.data_ptr(), self.weight.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], self.eps, torch.get_num_threads(),
+        )  # fmt: skip
+        assert rc == 0, "use_cpu_kernels checked the hidden size"
+        return out if residual is None else (out, x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the same ops less two no-op casts (~8% of a CPU step's ops)
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         # Normalise in float32, cast back, then scale: HF's order, which matters in bf16.
@@ -89,12 +121,26 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool = False
+) -> torch.Tensor:
     """HF's `x * cos + rotate_half(x) * sin`, bit for bit, in 4 ops instead of 8: rotate_half(x)
     is cat(-x2, x1) and the roll cat(x2, x1), so `sin` comes with its first half negated
     (`LlamaForCausalLM._rope`); negation is exact, so each product is the same float.
-    x: [T, heads, D]; cos, sin: [T, 1, D] in x's dtype (HF casts the float32 table too)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    x: [T, heads, D], heads contiguous; cos, sin: [T, 1, D] in x's dtype (HF casts the
+    float32 table too). With `kernel` (float32 on CPU), the same bits from one C call, written
+    into x."""
+    if not kernel:
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    t, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    rc = require_library().kvn_rope(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc == 0, "use_cpu_kernels checked the head size"
+    return x
 
 
 class LlamaAttention(nn.Module):
@@ -114,6 +160,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(h, config.kv_size, bias=bias)
         self.o_proj = Linear(config.q_size, h, bias=False)
         self.qkv: PackedWeight | None = None  # q, k, v quantized panels fused (use_quantized)
+        self.kernel = False  # RoPE through the C kernel (use_cpu_kernels)
 
     def forward(
         self,
@@ -128,7 +175,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, self.kernel), apply_rope(k, cos, sin, self.kernel)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)  # [N, bs, Hkv, D] each
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -158,14 +205,22 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, H]
+        x: torch.Tensor,  # [T, H]: the previous layer's output, or the embeddings
+        residual: torch.Tensor | None,  # [T, H]: the stream x is added to (None: x is it)
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's output, the residual stream
+        # HF's x = x + attn(norm(x)); x = x + mlp(norm(x)), with each add done by the next
+        # norm (vLLM's layout), so that the C norm takes it in the same call.
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -227,9 +282,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self._rope(positions, meta.max_seq_len)  # float32 [T, D]
         # HF casts the table to x's dtype too; [T, 1, D] broadcasts over heads.
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
         if self.lm_head is not None:
@@ -277,6 +333,25 @@ class LlamaForCausalLM(nn.Module):
             attn.qkv = _fuse_into([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.gate_up = _fuse_into([mlp.gate_proj, mlp.up_proj])
         return taken
+
+    def use_cpu_kernels(self) -> bool:
+        """RMSNorm and RoPE through the C kernels (csrc/norm_rope.c) from now on, each where it
+        fits (float32 on CPU; RMSNorm: hidden size a multiple of 8; RoPE: head_dim a multiple
+        of 16, at most 512); returns whether RMSNorm took it, the one of the two that changes
+        numbers (RoPE's are the same bits). The engine asks exactly when attention takes its
+        C kernel too; the fingerprint records both."""
+        param = self.model.embed_tokens.weight
+        if param.device.type != "cpu" or param.dtype != torch.float32:
+            return False
+        require_library()
+        c = self.config
+        norm, rope = c.hidden_size % 8 == 0, c.head_dim % 16 == 0 and c.head_dim <= 512
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = norm
+            elif isinstance(module, LlamaAttention):
+                module.kernel = rope
+        return norm
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
