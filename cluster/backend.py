@@ -153,6 +153,10 @@ class Backend(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` as generated text decodes them (for logprobs' text offsets)."""
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's ``bad_words`` as the token id sequences the workers ban
+        (``workers/bad_words.py``; ValueError naming ``bad_words``)."""
+
     async def generate(self, request: GenerateRequest) -> Completion: ...
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]: ...

@@ -42,3 +42,15 @@ STOP_TOKEN_IDS_SCHEMA = schema(
     maxItems=_SP.MAX_STOP_TOKEN_IDS,
 )
 CACHE_SALT_SCHEMA = schema("string", minLength=1, maxLength=_SP.MAX_CACHE_SALT)
+ALLOWED_TOKEN_IDS_SCHEMA = schema(
+    "array",
+    items={"type": "integer", "minimum": 0, "maximum": _SP.MAX_TOKEN_ID},
+    minItems=1,
+    maxItems=_SP.MAX_ALLOWED_TOKEN_IDS,
+)
+# "\S": not only whitespace (a word's leading whitespace is stripped: nothing would be left)
+BAD_WORDS_SCHEMA = schema(
+    "array",
+    items={"type": "string", "minLength": 1, "maxLength": _SP.MAX_BAD_WORD_LEN, "pattern": r"\S"},
+    maxItems=_SP.MAX_BAD_WORDS,
+)

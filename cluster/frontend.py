@@ -36,6 +36,7 @@ from kvmesh.cluster.metrics import tier_totals
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
+from kvmesh.workers.bad_words import bad_words_token_ids, with_bad_words_token_ids
 from kvmesh.workers.block_hash import block_hashes, cache_namespace
 from kvmesh.workers.chat import (
     chat_prompt_ids,
@@ -133,6 +134,9 @@ class ClusterBackend:
     def decode(self, ids: Sequence[int]) -> str:
         return decode(self.tokenizer, ids)
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        return bad_words_token_ids(self.tokenizer, words, self.vocab_size)
+
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_ids is not None:  # tokenized once, by the HTTP layer
             return list(request.prompt_ids)
@@ -181,6 +185,11 @@ class ClusterBackend:
         # The chat template and the tokenizer are CPU work: off the event loop.
         ids = await asyncio.to_thread(self.prompt_ids, request)
         params = request.params
+        if params.bad_words and not params.bad_words_token_ids:  # the handle's: tokenized here
+            params = await asyncio.to_thread(
+                with_bad_words_token_ids, params, self.tokenizer, self.vocab_size
+            )
+            request = dataclasses.replace(request, params=params)
         if not params.greedy and params.seed is None:
             # A seed of its own: randomness is a function of (seed, position), so a request
             # resumed on another worker draws exactly what the unbroken one would have.

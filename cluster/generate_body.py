@@ -1,7 +1,8 @@
 """What both OpenAI generate bodies share (pydantic): the base model (strict, no NaN), the
 sampling fields and their conversion to ``SamplingParams`` (``GenerateBody.sampling_params``),
-``n``, ``stream_options``, the checks that need no tokens, and ``logit_bias``'s keys as token
-ids. The two bodies, chat and completions: ``protocol.py``.
+``n``, ``stream_options``, the checks that need no tokens, ``logit_bias``'s keys as token
+ids, and vLLM's ``allowed_token_ids`` and ``bad_words`` (tokenized by the caller,
+``openai_requests.py``). The two bodies, chat and completions: ``protocol.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.cluster.api_error import ApiError, valid
 from kvmesh.cluster.field_schemas import (
+    ALLOWED_TOKEN_IDS_SCHEMA,
+    BAD_WORDS_SCHEMA,
     CACHE_SALT_SCHEMA,
     LOGIT_BIAS_SCHEMA,
     PENALTY_SCHEMA,
@@ -56,8 +59,9 @@ class StreamOptions(Body):
 class GenerateBody(Body):
     """Fields both endpoints share; ``None`` means "the default".
 
-    ``logit_bias`` maps token ids, as JSON's string keys, to biases; it and the penalties
-    (``repetition_penalty``: vLLM's extension) apply as ``workers/penalties.py`` says.
+    ``logit_bias`` maps token ids, as JSON's string keys, to biases; it, the penalties
+    (``repetition_penalty``: vLLM's extension) and vLLM's ``allowed_token_ids`` and
+    ``bad_words`` apply as ``workers/penalties.py`` says.
     ``stream_options`` needs ``stream: true`` (OpenAI's 400 too). ``user`` is accepted and
     unused (it asks for nothing).
     """
@@ -132,6 +136,18 @@ class GenerateBody(Body):
     stop_token_ids: Annotated[list[int] | None, STOP_TOKEN_IDS_SCHEMA] = Field(
         None, description="vLLM's extension: token ids that end the answer, as EOS does."
     )
+    allowed_token_ids: Annotated[list[int] | None, ALLOWED_TOKEN_IDS_SCHEMA] = Field(
+        None,
+        description="vLLM's extension: only these token ids of the vocabulary may be chosen "
+        "(greedy too); null for any, never empty. Logprobs stay the model's own.",
+    )
+    bad_words: Annotated[list[str] | None, BAD_WORDS_SCHEMA] = Field(
+        None,
+        description="vLLM's extension: words never generated. Each is tokenized as vLLM does "
+        "(as it is, and after a space when that gives a word token of its own); a one-token "
+        "word is never chosen, a longer one's last token not once the answer ends with the "
+        "others.",
+    )
     cache_salt: Annotated[str | None, CACHE_SALT_SCHEMA] = Field(
         None,
         description="vLLM's extension: the request shares cached KV (on any worker) only with "
@@ -181,15 +197,20 @@ class GenerateBody(Body):
         self.num_logprobs()
 
     def sampling_params(
-        self, prompt_len: int, max_model_len: int, vocab_size: int
+        self,
+        prompt_len: int,
+        max_model_len: int,
+        vocab_size: int,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """Validated SamplingParams whose prompt + max_tokens fit the context and whose
-        logit_bias names tokens of the vocabulary."""
+        logit_bias and allowed_token_ids name tokens of the vocabulary;
+        ``bad_words_token_ids``: the body's bad_words, tokenized."""
         kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
         for name in (
             "temperature", "top_p", "min_p", "seed", "stop", "min_tokens",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
-            "cache_salt", "include_stop_str_in_output",
+            "cache_salt", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
         ):  # fmt: skip
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -199,11 +220,18 @@ class GenerateBody(Body):
             kw["top_k"] = self.top_k
         kw["logprobs"] = self.num_logprobs()
         kw["prompt_logprobs"] = self.num_prompt_logprobs()
+        kw["bad_words_token_ids"] = bad_words_token_ids
         asked, field = self.requested_max_tokens, self.max_tokens_field
         # Sampling fields before lengths; a placeholder max_tokens until the length is known.
         first = asked if asked is not None else max(1, self.min_tokens or 0)
         rename = {"max_tokens": field, "logprobs": self.LOGPROBS_FIELD}
         params = valid(lambda: SamplingParams(max_tokens=first, **kw), rename)
+        if any(t >= vocab_size for t in params.allowed_token_ids or ()):
+            raise ApiError(
+                400,
+                f"allowed_token_ids: token ids must be in the vocabulary, [0, {vocab_size})",
+                param="allowed_token_ids",
+            )
         if prompt_len >= max_model_len:
             raise ApiError(
                 400,

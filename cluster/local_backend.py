@@ -19,6 +19,7 @@ from typing import Any
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.metrics import tier_totals
+from kvmesh.workers.bad_words import bad_words_token_ids
 from kvmesh.workers.chat import (
     chat_prompt_ids,
     decode,
@@ -75,6 +76,9 @@ class LocalBackend:
 
     def decode(self, ids: Sequence[int]) -> str:
         return decode(self.tokenizer, ids)
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        return bad_words_token_ids(self.tokenizer, words, self.vocab_size)
 
     # -- requests -----------------------------------------------------------------------------
 

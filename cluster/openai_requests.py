@@ -1,7 +1,8 @@
 """An OpenAI request body, validated, as the backend requests of its choices and the shape of
 its response: ``chat_choices`` and ``completion_choices``, shared by the HTTP routes
 (``openai_api.py``) and the Python handle (``serve_app.py``), so both check and number
-alike. Tokenizing and the chat template run in a worker thread (``asyncio.to_thread``): they
+alike. Tokenizing (the prompts, and vLLM's ``bad_words`` once per body, so the workers get
+their token ids) and the chat template run in a worker thread (``asyncio.to_thread``): they
 are CPU work the event loop, where /health and every stream run, must not wait on."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jinja2
 
 from kvmesh.cluster.api_error import ApiError, valid
 from kvmesh.cluster.backend import Backend, GenerateRequest
+from kvmesh.cluster.generate_body import GenerateBody
 from kvmesh.cluster.generation import choice_id
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.response_shape import Echo, ResponseShape
@@ -31,7 +33,8 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
         "continue_final_message": body.continue_final_message,
     }
     ids = await asyncio.to_thread(_chat_ids, backend, messages, template)
-    params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size)
+    bad_words = await _bad_words_token_ids(backend, body)
+    params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size, bad_words)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = body.per_choice(params)
     reqs = _choice_requests(rid, 0, body.n, choices, messages=messages, prompt_ids=ids)
@@ -46,9 +49,12 @@ async def completion_choices(backend: Backend, body: CompletionRequest, model_na
     reqs: list[GenerateRequest] = []
     echo: list[Echo] = []
     total = len(prompts) * body.n
+    bad_words = await _bad_words_token_ids(backend, body)
     for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
         ids = await asyncio.to_thread(valid, lambda p=prompt: backend.tokenize(p))
-        params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size)
+        params = body.sampling_params(
+            len(ids), backend.max_model_len, backend.vocab_size, bad_words
+        )
         choices = body.per_choice(params)
         reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
         if body.echo:  # token ids echo as the text they decode to
@@ -77,6 +83,15 @@ def _choice_requests(
         GenerateRequest(choice_id(rid, first + i, total), params, **prompt)
         for i, params in enumerate(choices)
     ]
+
+
+async def _bad_words_token_ids(backend: Backend, body: GenerateBody) -> tuple[tuple[int, ...], ...]:
+    """The body's bad_words as token id sequences (ApiError 400 naming bad_words), the words
+    checked before they are tokenized."""
+    if not body.bad_words:
+        return ()
+    words = valid(lambda: SamplingParams(bad_words=body.bad_words).bad_words)
+    return await asyncio.to_thread(valid, lambda: backend.bad_words_token_ids(words))
 
 
 def _chat_ids(

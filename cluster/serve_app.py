@@ -88,6 +88,8 @@ _SAMPLING_KEYS = (
     "logit_bias",
     "stop_token_ids",
     "cache_salt",
+    "allowed_token_ids",
+    "bad_words",  # tokenized by ClusterBackend.stream, as the prompt is
 )
 
 

@@ -5,8 +5,9 @@ naming the field unless they ask for nothing, as OpenAI's own unimplemented fiel
 answer silently other than it asked for: unconstrained text for ``guided_json``, a kept prompt
 for ``truncate_prompt_tokens``. The extensions kvmesh serves (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``ignore_eos``, ``cache_salt``, chat's ``add_generation_prompt`` / ``continue_final_message``)
-are the bodies' own fields; those that ask for nothing whatever their value
+``ignore_eos``, ``cache_salt``, ``allowed_token_ids``, ``bad_words``, chat's
+``add_generation_prompt`` / ``continue_final_message``) are the bodies' own fields
+(``generate_body.py``, ``protocol.py``); those that ask for nothing whatever their value
 (``guided_decoding_backend``, ``spaces_between_special_tokens`` with special tokens skipped)
 stay ignored extras.
 """
@@ -52,8 +53,6 @@ class VllmExtras(Body):
             "special tokens in the text", "true", lambda v: v is None or v is True
         ),
         "truncate_prompt_tokens": Unsupported("prompt truncation", "null", _is_null),
-        "allowed_token_ids": Unsupported("allowed_token_ids", "null", _is_null),
-        "bad_words": Unsupported("bad_words", "[]", is_empty),
         "logits_processors": Unsupported("logits processors", "[]", is_empty),
         "guided_json": STRUCTURED,
         "guided_regex": STRUCTURED,
@@ -80,10 +79,6 @@ class VllmExtras(Body):
         None, description=_doc("true")
     )
     truncate_prompt_tokens: Annotated[int | None, NULL_ONLY] = Field(None, description=_doc("null"))
-    allowed_token_ids: Annotated[list[int] | None, NULL_ONLY] = Field(
-        None, description=_doc("null")
-    )
-    bad_words: Annotated[list[str] | None, EMPTY_ARRAY] = Field(None, description=_doc("[]"))
     logits_processors: Annotated[list[Any] | None, EMPTY_ARRAY] = Field(
         None, description=_doc("[]")
     )

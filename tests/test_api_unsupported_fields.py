@@ -51,15 +51,14 @@ FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
     ),
 }
 # vLLM's extensions kvmesh does not implement (vllm_extras.py): refused the same way, on both
-# routes unless chat's alone, rather than ignored as unknown fields are.
+# routes unless chat's alone, rather than ignored as unknown fields are. (allowed_token_ids
+# and bad_words are served: test_allowed_bad_words.py.)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 VLLM_FIELDS: dict[str, tuple[list[Any], list[Any]]] = {  # field: (refused, accepted)
     "use_beam_search": ([True], [False, None]),
     "length_penalty": ([0.5, 2], [1, 1.0, None]),
     "skip_special_tokens": ([False], [True, None]),
     "truncate_prompt_tokens": ([8, -1], [None]),
-    "allowed_token_ids": ([[1, 2], []], [None]),
-    "bad_words": ([["the"]], [[], None]),
     "logits_processors": ([["my.module:Proc"]], [[], None]),
     "guided_json": ([SCHEMA, '{"type": "object"}'], [None]),
     "guided_regex": (["[a-z]+"], [None]),
@@ -102,6 +101,20 @@ def test_an_unsupported_field_is_refused_unless_it_asks_for_nothing(
     for value in accepted:
         status, body = call(port, "POST", *make(max_tokens=1, **{field: value}))
         assert status == 200, (value, body)
+
+
+@pytest.mark.parametrize("make", [chat, complete], ids=["chat", "completions"])
+def test_allowed_token_ids_and_bad_words_are_served(server: tuple[int, Spy], make: Make) -> None:
+    """Refused here until kvmesh served them (test_allowed_bad_words.py): the values once
+    refused are answered, and an empty allowed_token_ids is a 400 for what it asks (nothing
+    could be chosen, as vLLM says), not as a field kvmesh lacks."""
+    port, _ = server
+    for field, value in (("allowed_token_ids", [1, 2]), ("bad_words", ["the"])):
+        status, body = call(port, "POST", *make(max_tokens=1, **{field: value}))
+        assert status == 200, (field, body)
+    status, body = call(port, "POST", *make(allowed_token_ids=[]))
+    assert_bad(status, body, "allowed_token_ids")
+    assert "kvmesh does not support" not in body["error"]["message"], body
 
 
 # case: (request, param): a wrong type, or out of OpenAI's range

@@ -2,7 +2,8 @@
 (LocalBackend on tiny-random, conftest.py's ``client``): ``cache_salt``, chat's
 ``add_generation_prompt`` / ``continue_final_message``, ``include_stop_str_in_output`` and
 ``stop_token_ids``. Their bad values are ``test_openai_api.py``'s bad input; the extensions
-kvmesh refuses are ``test_api_unsupported_fields.py``'s."""
+kvmesh refuses are ``test_api_unsupported_fields.py``'s; ``allowed_token_ids`` and
+``bad_words`` are ``test_allowed_bad_words.py``'s."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.workers.attention import get_attn_backend
+from kvmesh.workers.bad_words import with_bad_words_token_ids
 from kvmesh.workers.block_hash import ModelFingerprint, cache_namespace
 from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.cpu_attention import KERNEL_NUMERICS
@@ -223,15 +224,19 @@ class LLMEngine:
 
         ``pull_plan``: the cluster router's plan for the prefix (``PullPlan``), handed to the
         connector; without one the connector looks the prefix up itself.
+
+        ``params.bad_words`` without their token ids (the Python API's: the API layers fill
+        them where they tokenize the prompt) are tokenized here, as a text prompt is.
         """
-        params = params or SamplingParams()
-        token_ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        params = with_bad_words_token_ids(params or SamplingParams(), self.tokenizer, vocab)
+        token_ids = prompt_token_ids(self.tokenizer, prompt, vocab)
         text = prompt if isinstance(prompt, str) else None
         resumed = check_request(
             len(token_ids),
             params,
             resumed_token_ids,
-            vocab_size=self.model_config.vocab_size,
+            vocab_size=vocab,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )

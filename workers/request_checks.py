@@ -1,7 +1,8 @@
 """What ``LLMEngine.make_request`` checks of a request's numbers before it is queued: that
 the prompt, the tokens resumed from another worker and the answer fit the context, and that
-the sampling params name tokens of the vocabulary. Each failure is a ValueError naming the
-field (the API layer answers it with a 400)."""
+the sampling params name tokens of the vocabulary (``logit_bias``, ``allowed_token_ids``,
+``bad_words_token_ids``). Each failure is a ValueError naming the field (the API layer
+answers it with a 400)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ def check_request(
         )
     if any(t >= vocab_size for t, _ in params.logit_bias):
         raise ValueError(f"logit_bias: token ids must be in the vocabulary, [0, {vocab_size})")
+    for name, ids in (
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words_token_ids", [t for s in params.bad_words_token_ids for t in s]),
+    ):
+        if any(t >= vocab_size for t in ids):
+            raise ValueError(f"{name}: token ids must be in the vocabulary, [0, {vocab_size})")
+    allowed = params.allowed_token_ids
+    if allowed is not None and params.min_tokens:
+        enders = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        never = {s[0] for s in params.bad_words_token_ids if len(s) == 1}
+        if set(allowed) <= enders | never:
+            raise ValueError(
+                "allowed_token_ids: until min_tokens, EOS, the stop tokens and bad_words ban "
+                "every one of them: no token could be chosen"
+            )
     resumed = _check_resumed(
         resumed_token_ids, num_prompt_tokens, params, vocab_size, max_model_len, eos_token_ids
     )

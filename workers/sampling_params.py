@@ -30,6 +30,16 @@ values with the same message ("field: why, got value"). The caps, and why:
   cached KV only with requests of the same salt.
 - ``logit_bias``: at most 1,024 token ids, each in [0, 2**31), with biases in [-100, 100]
   (OpenAI's range); the engine checks the ids against the vocabulary.
+- ``allowed_token_ids``: None (every token), or 1 to 4,096 ids in [0, 2**31) (vLLM's; it
+  refuses an empty list too: nothing could be chosen); the engine checks the vocabulary.
+  One-token bad words that ban every one of them are refused as well (and, by the engine,
+  EOS and stop tokens that do under ``min_tokens``).
+- ``bad_words``: at most 128 words (vLLM's default cap) of 1 to 256 characters, not only
+  whitespace (vLLM strips a word's leading whitespace: nothing would be left).
+- ``bad_words_token_ids``: the words' token id sequences (``bad_words.py``), filled where the
+  request's text is tokenized, or given directly: at most 256 non-empty sequences (a word and
+  its spaced variant) of 4,096 ids in all, each in [0, 2**31); the engine checks the
+  vocabulary.
 """
 
 from __future__ import annotations
@@ -47,8 +57,11 @@ class SamplingParams:
     ``stop`` strings are cut from the text (kept with ``include_stop_str_in_output``);
     ``stop_token_ids`` end the request like EOS.
     ``logit_bias`` ({token id: bias}, or (id, bias) pairs) and the penalties change the
-    logits every token is chosen from (penalties.py says how). Out-of-range values raise
-    ValueError naming the field (bounds: the module docstring).
+    logits every token is chosen from; ``allowed_token_ids`` (only these may be chosen) and
+    ``bad_words`` (never generated) mask them first (penalties.py says how). ``bad_words``
+    reach the engine's step as ``bad_words_token_ids``, which the API layer (or, for the
+    Python API, ``LLMEngine.make_request``) fills with the tokenizer (bad_words.py).
+    Out-of-range values raise ValueError naming the field (bounds: the module docstring).
     """
 
     max_tokens: int = 16
@@ -70,6 +83,13 @@ class SamplingParams:
     # (token id, bias) pairs; a {token id: bias} dict is taken too.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     cache_salt: str | None = None
+    # vLLM's: only these token ids may be chosen (None: any); never empty.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words never generated; a lone string is one word.
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    # bad_words as token id sequences (bad_words.py), what the step applies; vLLM's private
+    # ``_bad_words_token_ids``, filled where the request's text is tokenized.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     MAX_TEMPERATURE = 2.0
     MIN_SAMPLING_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
@@ -86,12 +106,17 @@ class SamplingParams:
     MAX_LOGIT_BIAS = 1024
     MAX_BIAS = 100.0
     MAX_CACHE_SALT = 1024
+    MAX_ALLOWED_TOKEN_IDS = 4096
+    MAX_BAD_WORDS = 128  # vLLM's default VLLM_MAX_NUM_BAD_WORDS
+    MAX_BAD_WORD_LEN = 256
+    MAX_BAD_WORDS_TOKENS = 4096  # in all the sequences of bad_words_token_ids
 
     def __post_init__(self) -> None:
-        # Accept lists (and a lone string for stop) the way vLLM users write them.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        for name in ("stop", "stop_token_ids"):
+        # Accept lists (and a lone string for stop or bad_words) as vLLM users write them.
+        for name in ("stop", "bad_words"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+        for name in ("stop", "stop_token_ids", "bad_words", "bad_words_token_ids"):
             value = getattr(self, name)
             if value is None or isinstance(value, list | tuple):
                 object.__setattr__(self, name, tuple(value or ()))
@@ -101,6 +126,15 @@ class SamplingParams:
         elif isinstance(self.logit_bias, list | tuple):
             pairs = (tuple(x) if isinstance(x, list) else x for x in self.logit_bias)
             object.__setattr__(self, "logit_bias", tuple(pairs))
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        seqs = self.bad_words_token_ids
+        if isinstance(seqs, tuple):
+            object.__setattr__(
+                self,
+                "bad_words_token_ids",
+                tuple(tuple(x) if isinstance(x, list) else x for x in seqs),
+            )
         self.validate()
         if 0 < self.temperature < self.MIN_SAMPLING_TEMPERATURE:
             object.__setattr__(self, "temperature", self.MIN_SAMPLING_TEMPERATURE)
@@ -169,6 +203,7 @@ class SamplingParams:
                 f"must be a finite number in (0, {self.MAX_REPETITION_PENALTY:g}] (1 is off)",
             )
         self._validate_logit_bias(bad)
+        self._validate_token_lists(bad)
         if self.cache_salt is not None and not (
             isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT
         ):
@@ -193,16 +228,48 @@ class SamplingParams:
             raise bad("logit_bias", f"biases must be finite numbers in [-{self.MAX_BIAS:g}, "
                                     f"{self.MAX_BIAS:g}]")  # fmt: skip
 
+    def _validate_token_lists(self, bad: Callable[[str, str], ValueError]) -> None:
+        """allowed_token_ids, bad_words and bad_words_token_ids."""
+        allowed, most = self.allowed_token_ids, self.MAX_ALLOWED_TOKEN_IDS
+        if allowed is not None:
+            if not isinstance(allowed, tuple) or len(allowed) > most:
+                raise bad("allowed_token_ids", f"must be a list of at most {most} token ids")
+            if not allowed:
+                raise bad("allowed_token_ids", "must not be empty: no token could be chosen "
+                                               "(None allows every token)")  # fmt: skip
+            if not all(_is_int(t) and 0 <= t <= self.MAX_TOKEN_ID for t in allowed):
+                raise bad("allowed_token_ids", f"must be integers in [0, {self.MAX_TOKEN_ID}]")
+        words = self.bad_words
+        if not isinstance(words, tuple) or len(words) > self.MAX_BAD_WORDS:
+            raise bad("bad_words", f"must be a list of at most {self.MAX_BAD_WORDS} strings")
+        if not all(isinstance(w, str) and w.strip() and len(w) <= self.MAX_BAD_WORD_LEN
+                   for w in words):  # fmt: skip
+            raise bad("bad_words", f"must be strings of 1 to {self.MAX_BAD_WORD_LEN} "
+                                   "characters, not only whitespace")  # fmt: skip
+        seqs = self.bad_words_token_ids
+        if not (isinstance(seqs, tuple) and all(isinstance(s, tuple) and s for s in seqs)):
+            raise bad("bad_words_token_ids", "must be a list of non-empty token id lists")
+        if len(seqs) > 2 * self.MAX_BAD_WORDS or sum(map(len, seqs)) > self.MAX_BAD_WORDS_TOKENS:
+            raise bad("bad_words_token_ids", f"must be at most {2 * self.MAX_BAD_WORDS} lists "
+                      f"of {self.MAX_BAD_WORDS_TOKENS} token ids in all")  # fmt: skip
+        if not all(_is_int(t) and 0 <= t <= self.MAX_TOKEN_ID for s in seqs for t in s):
+            raise bad("bad_words_token_ids", f"must be integers in [0, {self.MAX_TOKEN_ID}]")
+        if allowed and set(allowed) <= {s[0] for s in seqs if len(s) == 1}:
+            raise bad("allowed_token_ids", "bad_words ban every one of them: no token could "
+                                           "be chosen")  # fmt: skip
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
     def penalized(self) -> bool:
-        """Whether a logit bias, a penalty or ``min_tokens`` changes the logits
-        (penalties.py)."""
+        """Whether a logit bias, a penalty, ``min_tokens``, ``allowed_token_ids`` or bad words
+        change the logits (penalties.py)."""
         return bool(
-            self.logit_bias
+            self.allowed_token_ids is not None
+            or self.bad_words_token_ids
+            or self.logit_bias
             or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty
