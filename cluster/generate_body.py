@@ -143,8 +143,8 @@ class GenerateBody(Body):
     )
     bad_words: Annotated[list[str] | None, BAD_WORDS_SCHEMA] = Field(
         None,
-        description="vLLM's extension: words never generated. Each is tokenized as vLLM does "
-        "(as it is, and after a space when that gives a word token of its own); a one-token "
+        description="vLLM's extension: words never generated. Each is tokenized as it is and "
+        "after a space, as a word mid-text is spelled; a one-token "
         "word is never chosen, a longer one's last token not once the answer ends with the "
         "others.",
     )

@@ -5,10 +5,14 @@ request's text is tokenized (the API layer, the cluster's ingress; for the Pytho
 ``LLMEngine.make_request``), so ``SamplingParams.bad_words_token_ids`` is all the engine's step
 reads: ``banned_tokens`` (in ``penalties.py``) needs no tokenizer.
 
-vLLM's rule (``SamplingParams.update_from_tokenizer``): each word, its leading whitespace
-stripped, is encoded without special tokens as it is, and again after a space; the spaced
-variant is kept only when it starts with another token and has as many tokens as the plain one
-(a word token of its own, as byte-level BPE spells a word after a space, "Ġword"). At each step
+The rule is vLLM's (``SamplingParams.update_from_tokenizer``) less its length check: each word,
+its leading whitespace stripped, is encoded without special tokens as it is, and again after
+a space (byte-level BPE spells a word after a space as a token of its own, "Ġword"); the
+spaced variant is kept unless it ends with the plain one's tokens, whose ban then covers it.
+vLLM keeps it only when it also has as many tokens as the plain one, so a word that is one
+token after a space and two without ("rainbow": "ra" "inbow", but " rainbow" one token) is
+banned only at the start of the text: a known bug (vllm #23886, #32557), seen here with
+smollm2, not copied. At each step
 a sequence of one token bans that token; a longer one bans its last token when the output so
 far (resumed tokens included; never the prompt) ends with the tokens before it.
 """
@@ -33,7 +37,7 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int) -
         plain = _encode(tokenizer, word.lstrip(), word)
         seqs.append(plain)
         spaced = _encode(tokenizer, " " + word.lstrip(), word)
-        if spaced[0] != plain[0] and len(spaced) == len(plain):
+        if spaced[-len(plain) :] != plain:
             seqs.append(spaced)
     if any(t >= vocab_size for s in seqs for t in s):
         raise ValueError(
