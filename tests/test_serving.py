@@ -152,6 +152,18 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
     assert [e for c in streamed for e in c.get("logprobs", [])] == lps
 
 
+def test_handle_generate_bans_bad_words(unified) -> None:
+    """The handle's plain form carries words, not token ids (tiny-random's token 113 is
+    "q"); through the cluster they are banned, and the mask beats a +100 bias."""
+    handle, _, _ = unified
+    q = ord("q")
+    req = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+           "logit_bias": {q: 100}}  # fmt: skip
+    assert handle.generate.remote(req).result()["token_ids"] == [q] * 4
+    out = handle.generate.remote({**req, "bad_words": ["q"]}).result()
+    assert q not in out["token_ids"] and len(out["token_ids"]) == 4
+
+
 def test_a_fast_stream_comes_in_fewer_chunks_than_tokens(unified) -> None:
     """The app's ``stream_interval_s`` (50 ms) reaches the engine actors: tiny-random makes
     a token in a few ms, so its tokens go several to a chunk, and none is lost."""
