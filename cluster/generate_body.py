@@ -133,6 +133,11 @@ class GenerateBody(Body):
     logit_bias: Annotated[dict[str, float] | None, LOGIT_BIAS_SCHEMA] = Field(
         None, description="Token id (a string of digits) -> a bias added to its logit."
     )
+    skip_special_tokens: bool | None = Field(
+        None,
+        description="vLLM's extension: false keeps special tokens (e.g. <|im_start|>) in the "
+        "text; the token that ends the answer (EOS, a stop token id) stays out either way.",
+    )
     stop_token_ids: Annotated[list[int] | None, STOP_TOKEN_IDS_SCHEMA] = Field(
         None, description="vLLM's extension: token ids that end the answer, as EOS does."
     )
@@ -211,6 +216,7 @@ class GenerateBody(Body):
             "temperature", "top_p", "min_p", "seed", "stop", "min_tokens",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
             "cache_salt", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+            "skip_special_tokens",
         ):  # fmt: skip
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

@@ -87,6 +87,7 @@ _SAMPLING_KEYS = (
     "repetition_penalty",
     "logit_bias",
     "stop_token_ids",
+    "skip_special_tokens",
     "cache_salt",
     "allowed_token_ids",
     "bad_words",  # tokenized by ClusterBackend.stream, as the prompt is

@@ -5,11 +5,12 @@ naming the field unless they ask for nothing, as OpenAI's own unimplemented fiel
 answer silently other than it asked for: unconstrained text for ``guided_json``, a kept prompt
 for ``truncate_prompt_tokens``. The extensions kvmesh serves (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``ignore_eos``, ``cache_salt``, ``allowed_token_ids``, ``bad_words``, chat's
+``ignore_eos``, ``skip_special_tokens``, ``cache_salt``, ``allowed_token_ids``,
+``bad_words``, chat's
 ``add_generation_prompt`` / ``continue_final_message``) are the bodies' own fields
 (``generate_body.py``, ``protocol.py``); those that ask for nothing whatever their value
-(``guided_decoding_backend``, ``spaces_between_special_tokens`` with special tokens skipped)
-stay ignored extras.
+(``guided_decoding_backend``; ``spaces_between_special_tokens``, which fast tokenizers do not
+read) stay ignored extras.
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ class VllmExtras(Body):
         "length_penalty": Unsupported(
             "length_penalty (beam search)", "1", lambda v: v is None or v == 1
         ),
-        "skip_special_tokens": Unsupported(
-            "special tokens in the text", "true", lambda v: v is None or v is True
-        ),
         "truncate_prompt_tokens": Unsupported("prompt truncation", "null", _is_null),
         "logits_processors": Unsupported("logits processors", "[]", is_empty),
         "guided_json": STRUCTURED,
@@ -75,9 +73,6 @@ class VllmExtras(Body):
 
     use_beam_search: Annotated[bool | None, FALSE_ONLY] = Field(None, description=_doc("false"))
     length_penalty: Annotated[float | None, only({"const": 1})] = Field(None, description=_doc("1"))
-    skip_special_tokens: Annotated[bool | None, only({"const": True})] = Field(
-        None, description=_doc("true")
-    )
     truncate_prompt_tokens: Annotated[int | None, NULL_ONLY] = Field(None, description=_doc("null"))
     logits_processors: Annotated[list[Any] | None, EMPTY_ARRAY] = Field(
         None, description=_doc("[]")

@@ -1,9 +1,9 @@
 """vLLM's extension fields that kvmesh serves, over HTTP through the official ``openai`` client
 (LocalBackend on tiny-random, conftest.py's ``client``): ``cache_salt``, chat's
-``add_generation_prompt`` / ``continue_final_message``, ``include_stop_str_in_output`` and
-``stop_token_ids``. Their bad values are ``test_openai_api.py``'s bad input; the extensions
-kvmesh refuses are ``test_api_unsupported_fields.py``'s; ``allowed_token_ids`` and
-``bad_words`` are ``test_allowed_bad_words.py``'s."""
+``add_generation_prompt`` / ``continue_final_message``, ``include_stop_str_in_output``,
+``stop_token_ids`` and ``skip_special_tokens``. Their bad values are ``test_openai_api.py``'s
+bad input; the extensions kvmesh refuses are ``test_api_unsupported_fields.py``'s;
+``allowed_token_ids`` and ``bad_words`` are ``test_allowed_bad_words.py``'s."""
 
 from __future__ import annotations
 
@@ -85,3 +85,20 @@ def test_stop_token_ids_end_the_answer(client: openai.OpenAI) -> None:
     cut = client.completions.create(**forced, extra_body={"stop_token_ids": [7, 42]})
     assert (free.usage.completion_tokens, free.choices[0].finish_reason) == (8, "length")
     assert (cut.usage.completion_tokens, cut.choices[0].finish_reason) == (1, "stop")
+
+
+def test_special_tokens_show_when_asked(client: openai.OpenAI) -> None:
+    # tiny-random's token 257 is <|im_start|>, a special token: left out of the text unless
+    # skip_special_tokens is false; false and true are both served, streamed too.
+    kw = {"model": MODEL, "prompt": "The", "max_tokens": 3, "temperature": 0}
+    hidden = client.completions.create(**kw, logit_bias={"257": 100}, extra_body={
+        "ignore_eos": True, "skip_special_tokens": True})  # fmt: skip
+    shown = client.completions.create(**kw, logit_bias={"257": 100}, extra_body={
+        "ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    assert hidden.choices[0].text == "" and shown.choices[0].text == "<|im_start|>" * 3
+    pieces = client.completions.create(**kw, logit_bias={"257": 100}, stream=True, extra_body={
+        "ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == shown.choices[0].text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(**kw, extra_body={"skip_special_tokens": "no"})
+    assert bad.value.param == "skip_special_tokens"

@@ -151,6 +151,36 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     assert cut[0].token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
 
 
+def test_the_ending_token_is_not_text_and_special_tokens_can_be(llm: LLM) -> None:
+    # vLLM's: the EOS or stop token that ends a request is left out of the text (unless
+    # include_stop_str_in_output), special tokens too unless skip_special_tokens=False.
+    tok = llm.tokenizer
+    free = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    t = next(t for t in free[0].token_ids if t < 256 and tok.decode([t]).strip())
+    cut = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                               stop_token_ids=[t]))[0]  # fmt: skip
+    assert cut.token_ids[-1] == t and cut.finish_reason == "stop"
+    assert cut.text == tok.decode(cut.token_ids[:-1])
+    kept = llm.generate(["The"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                stop_token_ids=[t],
+                                                include_stop_str_in_output=True))[0]  # fmt: skip
+    assert kept.token_ids == cut.token_ids and kept.text == tok.decode(kept.token_ids)
+    assert kept.text != cut.text
+
+    im_start, eos = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert eos in llm.engine.eos_token_ids
+    forced = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {im_start: 100}}
+    hidden = llm.generate(["The"], SamplingParams(**forced))[0]
+    shown = llm.generate(["The"], SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert hidden.token_ids == shown.token_ids == [im_start] * 3
+    assert hidden.text == "" and shown.text == "<|im_start|>" * 3
+    streamed = llm.stream(["The"], SamplingParams(**forced, skip_special_tokens=False))
+    assert "".join(d.text for d in streamed) == shown.text
+    ended = llm.generate(["The"], SamplingParams(max_tokens=3, temperature=0, logit_bias={eos: 100},
+                                                 skip_special_tokens=False))[0]  # fmt: skip
+    assert ended.token_ids == [eos] and ended.finish_reason == "stop" and ended.text == ""
+
+
 def test_a_cache_salt_shares_blocks_only_with_its_own_salt(llm: LLM) -> None:
     prompt = prompts(seed=41, n=1, shared=24)[0]
 

@@ -6,7 +6,8 @@ incomplete UTF-8 character, or a tail that could still grow into a stop string, 
 So the concatenated stream always equals the final text. Before ``min_tokens`` output tokens
 no stop string counts (vLLM's ``min_tokens``): none is searched for, and once they count, only
 one that ends in text not yet emitted stops the request. The text ends before the stop
-string, or with it when ``include_stop`` (vLLM's ``include_stop_str_in_output``).
+string, or with it when ``include_stop`` (vLLM's ``include_stop_str_in_output``). Special
+tokens are left out of the text unless ``skip_special_tokens`` is False (vLLM's).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ class Detokenizer:
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
         self.include_stop = include_stop
@@ -39,7 +42,7 @@ class Detokenizer:
         """Decode ``token_ids`` (all output tokens so far); return the new, settled text."""
         may_stop = len(token_ids) >= self.min_tokens
         if self.stopped_by is None:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
             # Search only where a stop string could newly appear: ending past what was emitted
             # (emitted text holds none, or holds one from before min_tokens, which never counts).
             stops = self.stop if may_stop else ()

@@ -245,7 +245,11 @@ class LLMEngine:
         if rid in self._tracked:
             raise ValueError(f"request_id: {rid!r} is already running")
         detokenizer = Detokenizer(
-            self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output
+            self.tokenizer,
+            params.stop,
+            params.min_tokens,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
         )
         # The client already has the resumed tokens' text: only the state that streaming
         # them left is needed, so the next delta holds back (or releases) what it would have.
@@ -372,10 +376,13 @@ class LLMEngine:
             t.finish_reason, t.stop_reason = "stop", token
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             t.finish_reason = "length"
-        text = t.detokenizer.update(req.output_token_ids, final=t.finish_reason is not None)
+        shown = req.output_token_ids
+        if t.finish_reason == "stop" and not params.include_stop_str_in_output:
+            shown = shown[:-1]  # the EOS or stop token that ended it is not text (vLLM's)
+        text = t.detokenizer.update(shown, final=t.finish_reason is not None)
         if t.detokenizer.stopped_by is not None and t.finish_reason != "stop":
             t.finish_reason, t.stop_reason = "stop", t.detokenizer.stopped_by
-            text += t.detokenizer.update(req.output_token_ids, final=True)
+            text += t.detokenizer.update(shown, final=True)
         delta = StreamDelta(req.request_id, [token], text, t.finish_reason)
         if t.logprobs is not None:  # recorded for this token just before
             delta.logprobs = t.logprobs[-1:]

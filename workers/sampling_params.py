@@ -55,7 +55,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1.0`` disable those filters.
     ``seed`` makes one request's sampling reproducible whatever else is in its batch.
     ``stop`` strings are cut from the text (kept with ``include_stop_str_in_output``);
-    ``stop_token_ids`` end the request like EOS.
+    ``stop_token_ids`` end the request like EOS, and like EOS the token that ends it is not in
+    the text (unless ``include_stop_str_in_output``: vLLM's). ``skip_special_tokens=False``
+    keeps special tokens (``<|im_start|>``, ...) in the text.
     ``logit_bias`` ({token id: bias}, or (id, bias) pairs) and the penalties change the
     logits every token is chosen from; ``allowed_token_ids`` (only these may be chosen) and
     ``bad_words`` (never generated) mask them first (penalties.py says how). ``bad_words``
@@ -75,6 +77,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text ends with the stop string (vLLM's)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens in the text
     logprobs: int | None = None  # log-probabilities of each sampled token and the top N
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     presence_penalty: float = 0.0
@@ -186,7 +189,7 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be a list of at most {self.MAX_STOP_TOKEN_IDS} ids")
         if not all(_is_int(t) and 0 <= t <= self.MAX_TOKEN_ID for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {self.MAX_TOKEN_ID}]")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
         for name in ("presence_penalty", "frequency_penalty"):
