@@ -54,3 +54,7 @@ BAD_WORDS_SCHEMA = schema(
     items={"type": "string", "minLength": 1, "maxLength": _SP.MAX_BAD_WORD_LEN, "pattern": r"\S"},
     maxItems=_SP.MAX_BAD_WORDS,
 )
+# vLLM's: -1 (the model's context) or a positive count of the prompt's last tokens to keep.
+TRUNCATE_PROMPT_TOKENS_SCHEMA = WithJsonSchema(
+    {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}, {"type": "null"}]}
+)

@@ -22,6 +22,7 @@ from kvmesh.cluster.field_schemas import (
     PENALTY_SCHEMA,
     STOP_SCHEMA,
     STOP_TOKEN_IDS_SCHEMA,
+    TRUNCATE_PROMPT_TOKENS_SCHEMA,
     schema,
 )
 from kvmesh.cluster.unsupported_fields import Unsupported
@@ -153,6 +154,12 @@ class GenerateBody(Body):
         "word is never chosen, a longer one's last token not once the answer ends with the "
         "others.",
     )
+    truncate_prompt_tokens: Annotated[int | None, TRUNCATE_PROMPT_TOKENS_SCHEMA] = Field(
+        None,
+        description="vLLM's extension: keep only the prompt's last N tokens (left "
+        "truncation; -1: as many as the model's context holds); the prompt's usage and any "
+        "echo are of the kept tokens.",
+    )
     cache_salt: Annotated[str | None, CACHE_SALT_SCHEMA] = Field(
         None,
         description="vLLM's extension: the request shares cached KV (on any worker) only with "
@@ -195,6 +202,14 @@ class GenerateBody(Body):
         for name, unsupported in self.UNSUPPORTED.items():
             if not unsupported.is_off(getattr(self, name)):
                 raise unsupported.error(name)
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep != -1 and keep < 1:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens: must be -1 (the model's context) or at least 1, got "
+                f"{keep}",
+                param="truncate_prompt_tokens",
+            )
         if self.stream_options is not None and not self.stream:
             raise ApiError(
                 400, "stream_options: only allowed with stream: true", param="stream_options"
@@ -256,6 +271,15 @@ class GenerateBody(Body):
                 param=field,
             )
         return params
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids as ``truncate_prompt_tokens`` keeps them: the last N (N = the
+        model's context for -1), all of them when it is unset or they are fewer."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
 
     def per_choice(self, params: SamplingParams) -> list[SamplingParams]:
         """Each of the n choices' params. With a seed, choice i samples with seed + i (as

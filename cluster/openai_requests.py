@@ -33,6 +33,7 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
         "continue_final_message": body.continue_final_message,
     }
     ids = await asyncio.to_thread(_chat_ids, backend, messages, template)
+    ids = body.truncated(ids, backend.max_model_len)
     bad_words = await _bad_words_token_ids(backend, body)
     params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size, bad_words)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -51,16 +52,16 @@ async def completion_choices(backend: Backend, body: CompletionRequest, model_na
     total = len(prompts) * body.n
     bad_words = await _bad_words_token_ids(backend, body)
     for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
-        ids = await asyncio.to_thread(valid, lambda p=prompt: backend.tokenize(p))
+        whole = await asyncio.to_thread(valid, lambda p=prompt: backend.tokenize(p))
+        ids = body.truncated(whole, backend.max_model_len)
         params = body.sampling_params(
             len(ids), backend.max_model_len, backend.vocab_size, bad_words
         )
         choices = body.per_choice(params)
         reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)
-        if body.echo:  # token ids echo as the text they decode to
-            text = (
-                prompt if isinstance(prompt, str) else await asyncio.to_thread(backend.decode, ids)
-            )
+        if body.echo:  # token ids, or a truncated prompt, echo as the text they decode to
+            kept = isinstance(prompt, str) and ids is whole
+            text = prompt if kept else await asyncio.to_thread(backend.decode, ids)
             echo.append(Echo(text, ids))
     shape = ResponseShape(
         "text",

@@ -2,8 +2,8 @@
 decoding, beam search, prompt truncation, ...): declared so that they are refused with a 400
 naming the field unless they ask for nothing, as OpenAI's own unimplemented fields are
 (``unsupported_fields.py``). A client written for vLLM that sends one would otherwise get an
-answer silently other than it asked for: unconstrained text for ``guided_json``, a kept prompt
-for ``truncate_prompt_tokens``. The extensions kvmesh serves (``top_k``, ``min_p``,
+answer silently other than it asked for: unconstrained text for ``guided_json``. The
+extensions kvmesh serves (``top_k``, ``min_p``, ``truncate_prompt_tokens``,
 ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``ignore_eos``, ``skip_special_tokens``, ``cache_salt``, ``allowed_token_ids``,
 ``bad_words``, chat's
@@ -50,7 +50,6 @@ class VllmExtras(Body):
         "length_penalty": Unsupported(
             "length_penalty (beam search)", "1", lambda v: v is None or v == 1
         ),
-        "truncate_prompt_tokens": Unsupported("prompt truncation", "null", _is_null),
         "logits_processors": Unsupported("logits processors", "[]", is_empty),
         "guided_json": STRUCTURED,
         "guided_regex": STRUCTURED,
@@ -73,7 +72,6 @@ class VllmExtras(Body):
 
     use_beam_search: Annotated[bool | None, FALSE_ONLY] = Field(None, description=_doc("false"))
     length_penalty: Annotated[float | None, only({"const": 1})] = Field(None, description=_doc("1"))
-    truncate_prompt_tokens: Annotated[int | None, NULL_ONLY] = Field(None, description=_doc("null"))
     logits_processors: Annotated[list[Any] | None, EMPTY_ARRAY] = Field(
         None, description=_doc("[]")
     )

@@ -52,13 +52,12 @@ FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
 }
 # vLLM's extensions kvmesh does not implement (vllm_extras.py): refused the same way, on both
 # routes unless chat's alone, rather than ignored as unknown fields are. (allowed_token_ids
-# and bad_words are served: test_allowed_bad_words.py; skip_special_tokens:
-# test_api_vllm_extensions.py.)
+# and bad_words are served: test_allowed_bad_words.py; skip_special_tokens and
+# truncate_prompt_tokens: test_api_vllm_extensions.py.)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 VLLM_FIELDS: dict[str, tuple[list[Any], list[Any]]] = {  # field: (refused, accepted)
     "use_beam_search": ([True], [False, None]),
     "length_penalty": ([0.5, 2], [1, 1.0, None]),
-    "truncate_prompt_tokens": ([8, -1], [None]),
     "logits_processors": ([["my.module:Proc"]], [[], None]),
     "guided_json": ([SCHEMA, '{"type": "object"}'], [None]),
     "guided_regex": (["[a-z]+"], [None]),

@@ -102,3 +102,30 @@ def test_special_tokens_show_when_asked(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(**kw, extra_body={"skip_special_tokens": "no"})
     assert bad.value.param == "skip_special_tokens"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    client: openai.OpenAI, backend: LocalBackend
+) -> None:
+    text = "Truncation keeps the end of a prompt."
+    ids = backend.tokenize(text)
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+
+    def ask(prompt: Any, **extra: Any) -> Any:
+        return client.completions.create(prompt=prompt, **kw, extra_body=extra)
+
+    cut = ask(text, truncate_prompt_tokens=5, echo=True)
+    tail = ask(ids[-5:])
+    assert cut.usage.prompt_tokens == 5 and len(ids) > 5
+    assert cut.choices[0].text == backend.decode(ids[-5:]) + tail.choices[0].text  # echo kept
+    whole = ask(text)
+    assert ask(text, truncate_prompt_tokens=-1).choices[0].text == whole.choices[0].text
+    assert ask(text, truncate_prompt_tokens=len(ids) + 9).usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(
+        messages=USER, **kw, extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert chat.usage.prompt_tokens == 3
+    for bad in (0, -2, "5", 2.5):
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(text, truncate_prompt_tokens=bad)
+        assert refused.value.param == "truncate_prompt_tokens", bad
