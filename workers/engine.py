@@ -14,12 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.workers.attention import get_attn_backend
 from kvmesh.workers.bad_words import with_bad_words_token_ids
 from kvmesh.workers.block_hash import ModelFingerprint, cache_namespace
 from kvmesh.workers.chat import prompt_token_ids
-from kvmesh.workers.cpu_attention import KERNEL_NUMERICS
-from kvmesh.workers.cpu_kernels import kernel_library
 from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.engine_config import EngineConfig, check_host_memory, context_len
 from kvmesh.workers.kv_cache import KVCache
@@ -29,8 +26,8 @@ from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.loader import load_weights
 from kvmesh.workers.logprobs import logprob_entries, prompt_logprob_entries
 from kvmesh.workers.memory_size import parse_memory
-from kvmesh.workers.model import LlamaForCausalLM
 from kvmesh.workers.model_runner import ModelRunner
+from kvmesh.workers.model_setup import build_model
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
 from kvmesh.workers.penalties import penalize
 from kvmesh.workers.request import Request
@@ -43,22 +40,6 @@ from kvmesh.workers.tiered_connector import TieredKvConnector
 logger = logging.getLogger(__name__)
 
 KV_LAYOUT = "L2NBHD"  # KVCache.data: [layers, K/V, blocks, block_size, kv_heads, head_dim]
-
-
-def _cpu_kernels_on(backend: object, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the torch backend runs its rows through the C kernel (CPU, float32, the kernels
-    built, and not turned off), as `TorchAttentionBackend` decides; the model's RMSNorm and
-    RoPE take theirs exactly then too."""
-    kernel = getattr(backend, "cpu_kernel", None)
-    on_cpu_f32 = device.type == "cpu" and dtype == torch.float32
-    return on_cpu_f32 and kernel is not False and (kernel or kernel_library() is not None)
-
-
-def _attention_id(backend: object, kernels: bool) -> str:
-    """The attention implementation for the fingerprint: the backend's class, plus
-    "+cpu_kernel.vN" (N: `KERNEL_NUMERICS`) with the C kernel."""
-    name = type(backend).__name__
-    return name + f"+cpu_kernel.v{KERNEL_NUMERICS}" if kernels else name
 
 
 @dataclass(frozen=True)
@@ -105,21 +86,10 @@ class LLMEngine:
         self.model_config = mc = weights.config
         self.tokenizer = weights.tokenizer
         self.kv_dtype = config.resolved_kv_cache_dtype
-        # Flash kernels read the cache in q's dtype (EngineConfig refuses "flash" with another
-        # cache dtype); the torch backend widens a cache of another dtype as it reads it.
-        backend_name = "torch" if self.kv_dtype != self.dtype else config.attention_backend
-        backend = get_attn_backend(backend_name, self.device, self.dtype)
-        model = LlamaForCausalLM(mc, backend)
-        model.load_state_dict(weights.state_dict)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        # How many weights small batches read as quantized blocks (0: float32 only).
-        self.num_quantized_weights = 0
-        on_cpu_f32 = self.device.type == "cpu" and self.dtype == torch.float32
-        if config.quantized_matmul and weights.quantized and on_cpu_f32 and kernel_library():
-            self.num_quantized_weights = self.model.use_quantized(weights.quantized)
+        built = build_model(config, weights, self.device, self.dtype, self.kv_dtype)
+        self.model = built.model
+        self.num_quantized_weights = built.num_quantized_weights
         weights_id = weights.weights_id
-        kernels = _cpu_kernels_on(backend, self.device, self.dtype)
-        norm_kernel = kernels and self.model.use_cpu_kernels()
         del weights  # the model holds its own copy of the tensors
 
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_memory(
@@ -145,11 +115,11 @@ class LLMEngine:
             head_dim=mc.head_dim,
             # What else changes the numbers, so the KV bytes of every layer after the first:
             # the attention implementation, the device, quantized matmuls and the C RMSNorm if
-            # applied.
-            attention=_attention_id(backend, kernels),
+            # applied (model_setup.py).
+            attention=built.attention,
             device=self.device.type,
             quantized_matmul=self.num_quantized_weights > 0,
-            rmsnorm="cpu_kernel" if norm_kernel else "torch",
+            rmsnorm=built.rmsnorm,
         )
         if connector is not None and not isinstance(connector, KvCacheConnector):
             connector = connector(ConnectorContext(worker_id, self.kv_cache, self.fingerprint))
