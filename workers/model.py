@@ -135,6 +135,7 @@ def apply_rope(
     t, heads, d = x.shape
     if x.stride(2) != 1 or x.stride(1) != d:
         x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()  # read as [T, D] rows (no copy in the model)
     rc = require_library().kvn_rope(
         x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
         torch.get_num_threads(),
