@@ -323,7 +323,11 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
             # An app that never came up has nothing to drain: with our own Ray, its shutdown
             # ends every replica at once (serve.delete waits ~30 s on pending ones).
             if not (never_up and started_ray):
-                stop_serving(started_serve=not serve_was_running, owner=owner)
+                # With our own Ray, its shutdown ends Serve: serve.shutdown would only add
+                # Ray's alarming "(raylet) Task ServeController.graceful_shutdown failed"
+                # line (the controller kills itself under infinite task retries).
+                own_serve = not serve_was_running and not started_ray
+                stop_serving(started_serve=own_serve, owner=owner)
         finally:
             if started_ray:
                 ray.shutdown()
