@@ -199,7 +199,7 @@ def two_host_rows(
             flags = ["--workers", "2", "--num-cpus-per-worker", "1", "--router", "round_robin",
                      "--kv-cache-memory", "512MiB", *a_only]  # fmt: skip
             model = "smollm2-135m"
-            with kvmesh_serve(hosts, flags, model=model) as url:
+            with kvmesh_serve(hosts, flags, model=model, answering=2) as url:
                 for s in pulls:
                     rate = s.removeprefix("pull_")
                     hosts.shape(rate)

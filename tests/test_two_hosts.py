@@ -39,7 +39,7 @@ def hosts() -> Iterator[TwoHosts]:
 
 @pytest.fixture(scope="module")
 def base_url(hosts: TwoHosts) -> Iterator[str]:
-    with kvmesh_serve(hosts, FLAGS) as url:
+    with kvmesh_serve(hosts, FLAGS, answering=2) as url:  # round robin over both
         yield url
 
 

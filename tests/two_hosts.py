@@ -297,12 +297,18 @@ def sweep() -> None:
 
 @contextmanager
 def kvmesh_serve(
-    hosts: TwoHosts, flags: Sequence[str], port: int = 8000, model: str = "tiny-random"
+    hosts: TwoHosts,
+    flags: Sequence[str],
+    port: int = 8000,
+    model: str = "tiny-random",
+    answering: int = 1,
 ) -> Iterator[str]:
     """``kvmesh serve FLAGS`` on host a, as an operator runs it on the head machine after
     ``ray up``: an explicit ``--address`` and no ``RAY_AUTH_MODE`` (kvmesh must turn token
-    auth on for the join itself). Yields its base URL once a completion succeeds; stops it
-    with SIGTERM (as Ctrl-C) at the end. Its output goes to ``serve.log`` in the harness dir.
+    auth on for the join itself). Yields its base URL once completions succeeded on
+    ``answering`` different workers (a round-robin scenario that needs both: a worker on a
+    slow host may start seconds after the first answers); stops it with SIGTERM (as Ctrl-C)
+    at the end. Its output goes to ``serve.log`` in the harness dir.
     """
     url = f"http://{hosts.hosts['a'].ip}:{port}"
     log_path = hosts.dir / "serve.log"
@@ -316,7 +322,8 @@ def kvmesh_serve(
         )
         try:
             deadline = time.monotonic() + 300
-            while not hosts.client("wait_ready", base_url=url, timeout=5, model=model)["ready"]:
+            ask = {"base_url": url, "timeout": 5, "model": model, "workers": answering}
+            while not hosts.client("wait_ready", **ask)["ready"]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(f"kvmesh serve never answered:\n{serve_log(hosts)}")
             yield url

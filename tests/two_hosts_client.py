@@ -82,16 +82,23 @@ def complete(
         return {"ok": False, "error": type(e).__name__}
 
 
-def wait_ready(base_url: str, timeout: float = 240.0, model: str = MODEL) -> dict[str, Any]:
-    """Until a completion succeeds (the app deployed and a worker answers)."""
+def wait_ready(
+    base_url: str, timeout: float = 240.0, model: str = MODEL, workers: int = 1
+) -> dict[str, Any]:
+    """Until completions succeed on ``workers`` different workers (the app deployed and that
+    many workers answer: under round robin, consecutive requests then alternate)."""
     deadline = time.monotonic() + timeout
     last: dict[str, Any] = {}
+    seen: set[str] = set()
     while time.monotonic() < deadline:
-        last = complete(base_url, "hello", 2, model=model)
+        last = complete(base_url, f"hello {len(seen)} {time.monotonic()}", 2, model=model)
         if last["ok"]:
-            return {"ready": True, "after_s": round(timeout - (deadline - time.monotonic()), 1)}
+            seen.add(last["kvmesh"]["worker"])
+            if len(seen) >= workers:
+                return {"ready": True, "after_s": round(timeout - (deadline - time.monotonic()), 1)}
+            continue
         time.sleep(1.0)
-    return {"ready": False, "last": last}
+    return {"ready": False, "last": last, "workers": sorted(seen)}
 
 
 def pull(base_url: str, dev: str, words: int, max_tokens: int = 4) -> dict[str, Any]:
