@@ -289,7 +289,16 @@ class ClusterBackend:
         name, or None when none took it within ``prefill_wait_s`` or it failed (the decode
         worker then computes the prompt itself: a lost prefill replica costs time, never a
         request, and requests do not queue behind its replacement's start)."""
-        params = dataclasses.replace(request.params, max_tokens=1, stop=(), logprobs=None)
+        # One token, sampled and dropped: what only the decode reads goes (min_tokens above 1
+        # would not even validate, and a grammar would be compiled for nothing).
+        params = dataclasses.replace(
+            request.params,
+            max_tokens=1,
+            min_tokens=0,
+            stop=(),
+            logprobs=None,
+            structured_outputs=None,
+        )
         work = self._worker_request(dataclasses.replace(request, params=params), ids, [], 0.0)
         own_call_id()
         stream = self.handles["prefill"].options(stream=True).generate.remote(work)

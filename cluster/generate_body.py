@@ -27,6 +27,7 @@ from kvmesh.cluster.field_schemas import (
 )
 from kvmesh.cluster.unsupported_fields import Unsupported
 from kvmesh.workers.sampling_params import SamplingParams
+from kvmesh.workers.structured_output import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices in one response: OpenAI's cap on ``n``, and on prompts x n for a completion batch
@@ -222,10 +223,12 @@ class GenerateBody(Body):
         max_model_len: int,
         vocab_size: int,
         bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """Validated SamplingParams whose prompt + max_tokens fit the context and whose
         logit_bias and allowed_token_ids name tokens of the vocabulary;
-        ``bad_words_token_ids``: the body's bad_words, tokenized."""
+        ``bad_words_token_ids``: the body's bad_words, tokenized; ``structured_outputs``:
+        what its structured-output field asks for (``structured_body.py``)."""
         kw: dict[str, Any] = {"ignore_eos": self.ignore_eos}
         for name in (
             "temperature", "top_p", "min_p", "seed", "stop", "min_tokens",
@@ -242,6 +245,7 @@ class GenerateBody(Body):
         kw["logprobs"] = self.num_logprobs()
         kw["prompt_logprobs"] = self.num_prompt_logprobs()
         kw["bad_words_token_ids"] = bad_words_token_ids
+        kw["structured_outputs"] = structured_outputs
         asked, field = self.requested_max_tokens, self.max_tokens_field
         # Sampling fields before lengths; a placeholder max_tokens until the length is known.
         first = asked if asked is not None else max(1, self.min_tokens or 0)

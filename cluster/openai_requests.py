@@ -2,7 +2,8 @@
 its response: ``chat_choices`` and ``completion_choices``, shared by the HTTP routes
 (``openai_api.py``) and the Python handle (``serve_app.py``), so both check and number
 alike. Tokenizing (the prompts, and vLLM's ``bad_words`` once per body, so the workers get
-their token ids) and the chat template run in a worker thread (``asyncio.to_thread``): they
+their token ids), the chat template and compiling a structured-output grammar (to check it)
+run in a worker thread (``asyncio.to_thread``): they
 are CPU work the event loop, where /health and every stream run, must not wait on."""
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
     ids = await asyncio.to_thread(_chat_ids, backend, messages, template)
     ids = body.truncated(ids, backend.max_model_len)
     bad_words = await _bad_words_token_ids(backend, body)
-    params = body.sampling_params(len(ids), backend.max_model_len, backend.vocab_size, bad_words)
+    structured = await asyncio.to_thread(body.structured_outputs_params)
+    params = body.sampling_params(
+        len(ids), backend.max_model_len, backend.vocab_size, bad_words, structured
+    )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = body.per_choice(params)
     reqs = _choice_requests(rid, 0, body.n, choices, messages=messages, prompt_ids=ids)
@@ -51,11 +55,12 @@ async def completion_choices(backend: Backend, body: CompletionRequest, model_na
     echo: list[Echo] = []
     total = len(prompts) * body.n
     bad_words = await _bad_words_token_ids(backend, body)
+    structured = await asyncio.to_thread(body.structured_outputs_params)
     for prompt in prompts:  # every prompt checked before any runs: a bad one runs none
         whole = await asyncio.to_thread(valid, lambda p=prompt: backend.tokenize(p))
         ids = body.truncated(whole, backend.max_model_len)
         params = body.sampling_params(
-            len(ids), backend.max_model_len, backend.vocab_size, bad_words
+            len(ids), backend.max_model_len, backend.vocab_size, bad_words, structured
         )
         choices = body.per_choice(params)
         reqs += _choice_requests(rid, len(reqs), total, choices, prompt=prompt, prompt_ids=ids)

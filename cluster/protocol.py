@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.field_schemas import LOGPROBS_SCHEMA, schema
 from kvmesh.cluster.generate_body import MAX_CHOICES, Body, GenerateBody
+from kvmesh.cluster.structured_body import StructuredOutputFields
 from kvmesh.cluster.unsupported_fields import (
     EmptyList,
     NoneChoice,
@@ -30,11 +31,6 @@ from kvmesh.cluster.unsupported_fields import (
 )
 from kvmesh.cluster.vllm_extras import ChatVllmExtras, VllmExtras
 from kvmesh.workers.chat import ROLES
-
-
-class ResponseFormat(Body):
-    # OpenAI's types; json_schema's own fields are not read: only "text" is served.
-    type: Literal["text", "json_object", "json_schema"]
 
 
 class TextPart(Body):
@@ -53,25 +49,12 @@ class ChatMessage(Body):
         return {"role": self.role, "content": text}
 
 
-# JSON mode: refused on both routes (vLLM takes response_format on completions too).
-RESPONSE_FORMAT = Unsupported(
-    "JSON mode or structured outputs",
-    '{"type": "text"}',
-    lambda v: v is None or v.type == "text",
-)
-ResponseFormatField = Annotated[
-    ResponseFormat | None,
-    only({"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}),
-]
-
-
-class ChatCompletionRequest(GenerateBody, VllmExtras, ChatVllmExtras):
+class ChatCompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras, ChatVllmExtras):
     """OpenAI's chat completion request.
 
     Besides the shared fields (``GenerateBody``), OpenAI's chat fields kvmesh does not
     implement are accepted only at a value that asks for nothing, else a 400 naming the field:
-    ``response_format`` only ``{"type": "text"}`` or null (no JSON mode, no structured
-    outputs); ``tools`` and the deprecated ``functions`` only ``[]`` or null, ``tool_choice``
+    ``tools`` and the deprecated ``functions`` only ``[]`` or null, ``tool_choice``
     and ``function_call`` only ``"none"`` or null (no tool calls: OpenAI and vLLM refuse a
     tool_choice without tools too). ``parallel_tool_calls`` is accepted at any boolean: with
     no tools it asks for nothing. vLLM's extensions kvmesh does not implement: the same
@@ -86,7 +69,6 @@ class ChatCompletionRequest(GenerateBody, VllmExtras, ChatVllmExtras):
         | VllmExtras.VLLM_UNSUPPORTED
         | ChatVllmExtras.VLLM_UNSUPPORTED
         | {
-            "response_format": RESPONSE_FORMAT,
             "tools": Unsupported("tool calls", "[]", is_empty),
             "tool_choice": Unsupported("tool calls", '"none"', is_none_choice),
             "functions": Unsupported("function calls", "[]", is_empty),
@@ -109,9 +91,6 @@ class ChatCompletionRequest(GenerateBody, VllmExtras, ChatVllmExtras):
     logprobs: bool = False
     top_logprobs: Annotated[int | None, LOGPROBS_SCHEMA] = Field(
         None, description="Needs logprobs: true."
-    )
-    response_format: ResponseFormatField = Field(
-        None, description=unsupported_doc('{"type": "text"}')
     )
     tools: EmptyList = Field(None, description=unsupported_doc("[]"))
     tool_choice: NoneChoice = Field(None, description=unsupported_doc('"none"'))
@@ -143,14 +122,13 @@ class ChatCompletionRequest(GenerateBody, VllmExtras, ChatVllmExtras):
         return [m.as_dict() for m in self.messages]
 
 
-class CompletionRequest(GenerateBody, VllmExtras):
+class CompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras):
     """OpenAI's (legacy) completion request.
 
     Besides the shared fields (``GenerateBody``), OpenAI's completion fields kvmesh does not
     implement are accepted only at a value that asks for nothing, else a 400 naming the field:
     ``best_of`` only 1 or null (below 1 is a 400 for the range), ``suffix`` only null or
-    ``""`` (no insertion); vLLM's ``response_format`` (JSON mode) only ``{"type": "text"}`` or
-    null, and its other extensions kvmesh does not implement the same way
+    ``""`` (no insertion); vLLM's extensions kvmesh does not implement the same way
     (``vllm_extras.py``).
     """
 
@@ -162,7 +140,6 @@ class CompletionRequest(GenerateBody, VllmExtras):
         | {
             "best_of": Unsupported("best_of above 1", "1", lambda v: v is None or v == 1),
             "suffix": Unsupported("suffix (insertion)", '""', is_empty),
-            "response_format": RESPONSE_FORMAT,
         }
     )
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
@@ -185,9 +162,6 @@ class CompletionRequest(GenerateBody, VllmExtras):
     )
     suffix: Annotated[str | None, only({"const": ""})] = Field(
         None, description=unsupported_doc('""')
-    )
-    response_format: ResponseFormatField = Field(
-        None, description=unsupported_doc('{"type": "text"}', " vLLM's extension.")
     )
 
     def num_logprobs(self) -> int | None:

@@ -16,9 +16,9 @@ from kvmesh.cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    ResponseFormat,
     TextPart,
 )
+from kvmesh.cluster.structured_body import JsonSchemaFormat, ResponseFormat, StructuredOutputsBody
 
 _FIELDS = frozenset(
     name
@@ -29,8 +29,11 @@ _FIELDS = frozenset(
         TextPart,
         StreamOptions,
         ResponseFormat,
+        JsonSchemaFormat,
+        StructuredOutputsBody,
     )
-    for name in model.model_fields
+    for name, info in model.model_fields.items()
+    for name in (name, info.alias or name)  # errors name a field by its alias ("schema")
 )
 
 

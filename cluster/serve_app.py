@@ -91,6 +91,7 @@ _SAMPLING_KEYS = (
     "cache_salt",
     "allowed_token_ids",
     "bad_words",  # tokenized by ClusterBackend.stream, as the prompt is
+    "structured_outputs",  # StructuredOutputsParams' fields, as a dict
 )
 
 

@@ -1,16 +1,16 @@
-"""vLLM's extension fields of the OpenAI bodies that kvmesh does not implement (guided
-decoding, beam search, prompt truncation, ...): declared so that they are refused with a 400
+"""vLLM's extension fields of the OpenAI bodies that kvmesh does not implement (beam
+search, structural tags, logits processors, ...): declared so that they are refused with a 400
 naming the field unless they ask for nothing, as OpenAI's own unimplemented fields are
 (``unsupported_fields.py``). A client written for vLLM that sends one would otherwise get an
-answer silently other than it asked for: unconstrained text for ``guided_json``. The
-extensions kvmesh serves (``top_k``, ``min_p``, ``truncate_prompt_tokens``,
-``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``ignore_eos``, ``skip_special_tokens``, ``cache_salt``, ``allowed_token_ids``,
-``bad_words``, chat's
-``add_generation_prompt`` / ``continue_final_message``) are the bodies' own fields
-(``generate_body.py``, ``protocol.py``); those that ask for nothing whatever their value
-(``guided_decoding_backend``; ``spaces_between_special_tokens``, which fast tokenizers do not
-read) stay ignored extras.
+answer silently other than it asked for. The extensions kvmesh serves (``top_k``, ``min_p``,
+``truncate_prompt_tokens``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``ignore_eos``, ``skip_special_tokens``, ``cache_salt``,
+``allowed_token_ids``, ``bad_words``, chat's ``add_generation_prompt`` /
+``continue_final_message``) are the bodies' own fields (``generate_body.py``,
+``protocol.py``), the structured outputs (``structured_outputs``, ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``) ``structured_body.py``'s; those that
+ask for nothing whatever their value (``guided_decoding_backend``;
+``spaces_between_special_tokens``, which fast tokenizers do not read) stay ignored extras.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ NULL_ONLY = only()
 FALSE_ONLY = only({"const": False})
 EMPTY_ARRAY = only({"type": "array", "maxItems": 0})
 EMPTY_OBJECT = only({"type": "object", "maxProperties": 0})
-STRUCTURED = Unsupported("structured outputs (guided decoding)", "null", _is_null)
 
 
 def _doc(accepted: str) -> str:
@@ -51,12 +50,7 @@ class VllmExtras(Body):
             "length_penalty (beam search)", "1", lambda v: v is None or v == 1
         ),
         "logits_processors": Unsupported("logits processors", "[]", is_empty),
-        "guided_json": STRUCTURED,
-        "guided_regex": STRUCTURED,
-        "guided_choice": STRUCTURED,
-        "guided_grammar": STRUCTURED,
-        "structural_tag": STRUCTURED,
-        "structured_outputs": STRUCTURED,
+        "structural_tag": Unsupported("structural tags", "null", _is_null),
         "priority": Unsupported("priority scheduling", "0", lambda v: v is None or v == 0),
         "prompt_logprobs": Unsupported(
             "prompt_logprobs over HTTP (completions' echo with logprobs gives a prompt's)",
@@ -75,12 +69,7 @@ class VllmExtras(Body):
     logits_processors: Annotated[list[Any] | None, EMPTY_ARRAY] = Field(
         None, description=_doc("[]")
     )
-    guided_json: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
-    guided_regex: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
-    guided_choice: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
-    guided_grammar: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
     structural_tag: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
-    structured_outputs: Annotated[Any, NULL_ONLY] = Field(None, description=_doc("null"))
     priority: Annotated[int | None, only({"const": 0})] = Field(None, description=_doc("0"))
     prompt_logprobs: Annotated[int | None, NULL_ONLY] = Field(None, description=_doc("null"))
     return_tokens_as_token_ids: Annotated[bool | None, FALSE_ONLY] = Field(

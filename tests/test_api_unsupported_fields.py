@@ -25,15 +25,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
     "best_of": (complete, "best_of", [2, 20], [1, None]),
     "suffix": (complete, "suffix", ["!", " the end"], [None, ""]),
-    "response_format": (
-        chat,
-        "response_format",
-        [
-            {"type": "json_object"},
-            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-        ],
-        [{"type": "text"}, None],
-    ),
     "tools": (chat, "tools", [[TOOL]], [[], None]),
     "tool_choice": (
         chat,
@@ -43,28 +34,17 @@ FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
     ),
     "functions (deprecated)": (chat, "functions", [[TOOL["function"]]], [[], None]),
     "function_call (deprecated)": (chat, "function_call", ["auto", {"name": "f"}], ["none", None]),
-    "completions' response_format (vLLM's)": (
-        complete,
-        "response_format",
-        [{"type": "json_object"}],
-        [{"type": "text"}, None],
-    ),
 }
 # vLLM's extensions kvmesh does not implement (vllm_extras.py): refused the same way, on both
 # routes unless chat's alone, rather than ignored as unknown fields are. (allowed_token_ids
 # and bad_words are served: test_allowed_bad_words.py; skip_special_tokens and
-# truncate_prompt_tokens: test_api_vllm_extensions.py.)
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# truncate_prompt_tokens: test_api_vllm_extensions.py; response_format and the structured
+# outputs: test_structured_outputs.py.)
 VLLM_FIELDS: dict[str, tuple[list[Any], list[Any]]] = {  # field: (refused, accepted)
     "use_beam_search": ([True], [False, None]),
     "length_penalty": ([0.5, 2], [1, 1.0, None]),
     "logits_processors": ([["my.module:Proc"]], [[], None]),
-    "guided_json": ([SCHEMA, '{"type": "object"}'], [None]),
-    "guided_regex": (["[a-z]+"], [None]),
-    "guided_choice": ([["yes", "no"]], [None]),
-    "guided_grammar": (["root ::= 'a'"], [None]),
     "structural_tag": (["{}"], [None]),
-    "structured_outputs": ([{"json": SCHEMA}], [None]),
     "priority": ([1, -5], [0, None]),
     "prompt_logprobs": ([0, 5], [None]),
     "return_tokens_as_token_ids": ([True], [False, None]),
@@ -178,8 +158,6 @@ def test_openapi_declares_only_the_accepted_values(server: tuple[int, Spy]) -> N
     null = {"type": "null"}
     assert completion_fields["best_of"]["anyOf"] == [{"const": 1}, null]
     assert completion_fields["suffix"]["anyOf"] == [{"const": ""}, null]
-    text = chat_fields["response_format"]["anyOf"][0]
-    assert text["properties"] == {"type": {"const": "text"}}
     assert chat_fields["tools"]["anyOf"] == [{"type": "array", "maxItems": 0}, null]
     assert chat_fields["tool_choice"]["anyOf"] == [{"const": "none"}, null]
     needs_stream = {"properties": {"stream": {"const": True}}, "required": ["stream"]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import openai
@@ -162,6 +163,21 @@ def test_handle_generate_bans_bad_words(unified) -> None:
     assert handle.generate.remote(req).result()["token_ids"] == [q] * 4
     out = handle.generate.remote({**req, "bad_words": ["q"]}).result()
     assert q not in out["token_ids"] and len(out["token_ids"]) == 4
+
+
+def test_structured_outputs_reach_the_engine_actors(unified) -> None:
+    """A regex over HTTP, a choice through the handle's plain generate: the constraint
+    travels in SamplingParams to whichever worker runs it (tiny-random: bytes for tokens)."""
+    handle, client, config = unified
+    chat = client.chat.completions.create(
+        model=config.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=20,
+        extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"},
+    )
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", chat.choices[0].message.content), chat
+    req = {"prompt": "Pick", "max_tokens": 20, "structured_outputs": {"choice": ["up", "down"]}}
+    assert handle.generate.remote(req).result()["text"] in ("up", "down")
 
 
 def test_a_fast_stream_comes_in_fewer_chunks_than_tokens(unified) -> None:
@@ -359,6 +375,15 @@ def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, refer
         assert salted["token_ids"] == want.token_ids
         assert salted["kvmesh"]["pulled_tokens"] == kv["pulled_tokens"], salted["kvmesh"]
         assert salted["kvmesh"]["prefill_worker"] == kv["prefill_worker"]
+        # min_tokens past the prefill's one token, and a structured output: the prefill
+        # request leaves out what only decoding reads (min_tokens made it a ValueError, so
+        # the decode worker computed every such prompt itself).
+        shaped = {"max_tokens": 8, "temperature": 0, "min_tokens": 4}
+        shaped["structured_outputs"] = {"regex": "[a-z]{6}"}
+        out_s = handle.generate.remote({"prompt": ids[:-5], **shaped}).result()
+        assert out_s["kvmesh"].get("prefill_worker") == kv["prefill_worker"], out_s["kvmesh"]
+        want_s = reference.generate([ids[:-5]], SamplingParams(**shaped))[0]
+        assert out_s["text"] == want_s.text and re.fullmatch("[a-z]{6}", want_s.text)
 
         kill_worker(kv["prefill_worker"])
         # Serve has noticed the loss and starts a replacement: no prefill replica runs.

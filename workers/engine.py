@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from kvmesh.workers.block_hash import ModelFingerprint, cache_namespace
 from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.detokenizer import Detokenizer
 from kvmesh.workers.engine_config import EngineConfig, check_host_memory, context_len
+from kvmesh.workers.grammars import Grammars
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.kv_cache_manager import KVCacheManager
 from kvmesh.workers.kv_connector import KvCacheConnector, NoopKvCacheConnector, PullPlan
@@ -69,6 +71,7 @@ class _Tracked:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt runs
+    matcher: Any = None  # its grammar's llguidance matcher (structured outputs), else None
 
 
 class LLMEngine:
@@ -140,6 +143,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -242,6 +246,8 @@ class LLMEngine:
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         tracked = _Tracked(req, params, seed, detokenizer, text, on_delta)
+        if params.structured_outputs is not None:
+            tracked.matcher = self.grammars.matcher(params.structured_outputs, resumed)
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None]  # the first token: nothing before it predicts it
         return tracked
@@ -285,6 +291,9 @@ class LLMEngine:
         logits = self.runner.run(batch, [self.kv.get_block_ids(s.request) for s in batch])
         sampling = [self._tracked[s.request.request_id] for s in batch if s.samples]
         params = [t.params for t in sampling]
+        logits = self.grammars.mask_logits(
+            logits, [(i, t.matcher) for i, t in enumerate(sampling) if t.matcher is not None]
+        )
         chosen_from = penalize(
             logits,
             params,
@@ -340,14 +349,18 @@ class LLMEngine:
         req.append_output_token(token)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
+        # A grammar ends the request when it refuses the token (other masks left it none:
+        # the token is not text), or takes EOS under ignore_eos (its end allows only EOS).
+        refused = t.matcher is not None and not t.matcher.consume_token(token)
+        eos = token in self.eos_token_ids
+        if token in params.stop_token_ids or (eos and not params.ignore_eos):
             t.finish_reason, t.stop_reason = "stop", token
+        elif refused or (eos and t.matcher is not None and t.matcher.is_stopped()):
+            t.finish_reason, t.stop_reason = "stop", None if refused else token
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             t.finish_reason = "length"
         shown = req.output_token_ids
-        if t.finish_reason == "stop" and not params.include_stop_str_in_output:
+        if refused or (t.finish_reason == "stop" and not params.include_stop_str_in_output):
             shown = shown[:-1]  # the EOS or stop token that ended it is not text (vLLM's)
         text = t.detokenizer.update(shown, final=t.finish_reason is not None)
         if t.detokenizer.stopped_by is not None and t.finish_reason != "stop":

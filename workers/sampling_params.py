@@ -40,12 +40,17 @@ values with the same message ("field: why, got value"). The caps, and why:
   request's text is tokenized, or given directly: at most 256 non-empty sequences (a word and
   its spaced variant) of 4,096 ids in all, each in [0, 2**31); the engine checks the
   vocabulary.
+- ``structured_outputs``: None, or a ``StructuredOutputsParams`` (or a dict of its fields):
+  the text held to a JSON schema, a regex, a choice or a grammar (``structured_output.py``,
+  which bounds and checks it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from kvmesh.workers.structured_output import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class SamplingParams:
     ``bad_words`` (never generated) mask them first (penalties.py says how). ``bad_words``
     reach the engine's step as ``bad_words_token_ids``, which the API layer (or, for the
     Python API, ``LLMEngine.make_request``) fills with the tokenizer (bad_words.py).
+    ``structured_outputs`` holds the text to a JSON schema, a regex, a choice or a grammar
+    (structured_output.py); its mask comes before all of these.
     Out-of-range values raise ValueError naming the field (bounds: the module docstring).
     """
 
@@ -93,6 +100,8 @@ class SamplingParams:
     # bad_words as token id sequences (bad_words.py), what the step applies; vLLM's private
     # ``_bad_words_token_ids``, filled where the request's text is tokenized.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    # vLLM's: the text held to a JSON schema, a regex, a choice or a grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     MAX_TEMPERATURE = 2.0
     MIN_SAMPLING_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
@@ -138,6 +147,15 @@ class SamplingParams:
                 "bad_words_token_ids",
                 tuple(tuple(x) if isinstance(x, list) else x for x in seqs),
             )
+        if isinstance(self.structured_outputs, dict):
+            try:
+                spec = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError:
+                raise ValueError(
+                    "structured_outputs: takes json, regex, choice, grammar, json_object and "
+                    "disable_any_whitespace"
+                ) from None
+            object.__setattr__(self, "structured_outputs", spec)
         self.validate()
         if 0 < self.temperature < self.MIN_SAMPLING_TEMPERATURE:
             object.__setattr__(self, "temperature", self.MIN_SAMPLING_TEMPERATURE)
@@ -207,6 +225,9 @@ class SamplingParams:
             )
         self._validate_logit_bias(bad)
         self._validate_token_lists(bad)
+        spec = self.structured_outputs
+        if spec is not None and not isinstance(spec, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams, a dict or None")
         if self.cache_salt is not None and not (
             isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT
         ):
