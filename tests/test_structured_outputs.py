@@ -54,7 +54,10 @@ def run(llm: LLM, spec: Spec | dict, **kw) -> object:
     [
         ({}, "exactly one"),
         ({"regex": "a", "choice": ["a"]}, "exactly one"),
-        ({"regex": "a(b"}, "regex: "),
+        (
+            {"regex": "a(b"},
+            'regex: at 1(8): invalid regex "a(b" (in regex): regex parse error: unclosed group',
+        ),
         ({"grammar": "root ::= missing"}, "grammar: "),
         ({"json": "{not json"}, "not valid JSON"),
         ({"json": "[1, 2]"}, "JSON schema object"),

@@ -14,7 +14,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from kvmesh.workers.structured_output import LIMITS, StructuredOutputsParams, first_line
+from kvmesh.workers.structured_output import LIMITS, StructuredOutputsParams, brief
 
 
 class Grammars:
@@ -64,7 +64,7 @@ class Grammars:
                 probe = m.deep_copy()
                 probe.consume_token(int(allowed[0]))
         if probe.is_error():
-            error = first_line(probe.get_error())
+            error = brief(probe.get_error())
             raise ValueError(f"structured_outputs: {params.kind}: {error}")
         return m
 

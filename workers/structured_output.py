@@ -126,7 +126,7 @@ def _dump(value: Any) -> str:
     except RecursionError:
         raise ValueError("structured_outputs: json is nested too deeply") from None
     except (TypeError, ValueError) as e:  # a value JSON has no form for
-        raise ValueError(f"structured_outputs: json is not JSON: {first_line(e)}") from None
+        raise ValueError(f"structured_outputs: json is not JSON: {brief(e)}") from None
 
 
 @lru_cache(maxsize=256)
@@ -145,23 +145,25 @@ def _grammar(kind: str, spec: str, whitespace_flexible: bool) -> str:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(spec, **kw)
         except ValueError as e:
-            raise ValueError(f"structured_outputs: {kind}: {first_line(e)}") from None
+            raise ValueError(f"structured_outputs: {kind}: {brief(e)}") from None
     try:
         return llguidance.grammar_from(kind, spec)  # regex, choice, grammar (Lark or GBNF)
     except ValueError as e:
-        raise ValueError(f"structured_outputs: {kind}: {first_line(e)}") from None
+        raise ValueError(f"structured_outputs: {kind}: {brief(e)}") from None
 
 
 @lru_cache(maxsize=256)
 def _check(grammar: str) -> str:
     """llguidance's error for ``grammar`` (its first line), or "" when it is valid."""
     limits = llguidance.LLParserLimits(**LIMITS)
-    error = first_line(llguidance.LLMatcher.validate_grammar(grammar, limits=limits))
+    error = brief(llguidance.LLMatcher.validate_grammar(grammar, limits=limits))
     return "" if error.startswith("WARNING") else error
 
 
-def first_line(error: object, limit: int = 300) -> str:
-    """An error's first line, cut to ``limit`` characters: a message never echoes a whole
-    grammar back."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+def brief(error: object, limit: int = 300) -> str:
+    """An error's first line, and the cause a regex error puts under its caret diagram ("error:
+    unclosed group"), cut to ``limit`` characters: a message never echoes a grammar back."""
+    lines = str(error).strip().splitlines() or [""]
+    causes = [ln.removeprefix("error:").strip() for ln in lines[1:] if ln.startswith("error:")]
+    text = " ".join([lines[0].strip(), *causes])
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
