@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -93,7 +94,15 @@ def _healed(handle, n: int = 2) -> None:
     wait_for(routed_to_all, 30, "routing to every replica", every=0.5)
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, SAMPLED], ids=["greedy", "seeded"])
+# Seven-letter words: where a word stands depends on every character before it, so a new
+# worker's matcher that did not take the resumed tokens would break the pattern.
+WORDS = r"([a-z]{7} )*[a-z]{0,7}"
+HELD = {**SAMPLED, "structured_outputs": {"regex": r"([a-z]{7} )+"}}
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, SAMPLED, HELD], ids=["greedy", "seeded", "structured"]
+)
 def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -> None:
     body = {**LONG, **sampling}
     unbroken = app.generate.remote(body).result()
@@ -101,6 +110,8 @@ def test_stream_resumes_on_another_replica_with_the_same_tokens(app, sampling) -
     tokens = [t for c in chunks for t in c["token_ids"]]
     assert tokens == unbroken["token_ids"]  # nothing lost, nothing repeated
     assert "".join(c["text"] for c in chunks) == unbroken["text"]
+    if "structured_outputs" in sampling:
+        assert re.fullmatch(WORDS, unbroken["text"]), unbroken["text"]
     last = chunks[-1]
     assert last["finish_reason"] == "length"
     assert last["usage"]["completion_tokens"] == 400
