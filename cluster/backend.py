@@ -150,8 +150,9 @@ class Backend(Protocol):
         """Each token's raw bytes (for logprobs: part of a character where a token holds
         only part of one)."""
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids`` as generated text decodes them (for logprobs' text offsets)."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` as generated text decodes them (for logprobs' text offsets;
+        ``/detokenize`` keeps special tokens)."""
 
     def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's ``bad_words`` as the token id sequences the workers ban

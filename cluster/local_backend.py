@@ -74,8 +74,8 @@ class LocalBackend:
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         return token_bytes(self.tokenizer, ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return decode(self.tokenizer, ids)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return decode(self.tokenizer, ids, skip_special_tokens)
 
     def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         return bad_words_token_ids(self.tokenizer, words, self.vocab_size)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over any ``Backend``: ``build_api(backend, model_name=...)``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``; the
-OpenAPI schema at ``/openapi.json`` (``openapi_doc.py``) and its page at ``/docs``.
+``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics``, vLLM's
+``POST /tokenize`` and ``POST /detokenize`` (``tokenize_api.py``); the OpenAPI schema at
+``/openapi.json`` (``openapi_doc.py``) and its page at ``/docs``.
 
 Every request is validated in full (types, model, sampling fields, prompt length against the
 context) before the backend sees it, and bad input gets a 4xx with OpenAI's error body and
@@ -21,11 +22,9 @@ details (``http_errors.py``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -52,7 +51,8 @@ from kvmesh.cluster.openapi_doc import (
     request_body,
 )
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.cluster.request_parsing import B, parse_body
+from kvmesh.cluster.request_parsing import json_body
+from kvmesh.cluster.tokenize_api import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 # Holds a full 128k-token context as text, as \u-escaped non-ASCII text or as token ids.
@@ -71,8 +71,9 @@ def build_api(
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` as the one model ``model_name``.
 
-    With ``api_key``, /v1/* and /metrics need ``Authorization: Bearer <api_key>`` (metrics
-    name workers and show load: a scraper sends the key as a bearer token); /health, /docs
+    With ``api_key``, /v1/*, /metrics, /tokenize and /detokenize need ``Authorization: Bearer
+    <api_key>`` (metrics name workers and show load: a scraper sends the key as a bearer
+    token); /health, /docs
     and /openapi.json stay open (probes carry no key). A request body over
     ``max_request_bytes`` gets a 413. With ``admission``, the generation routes admit at
     most its limit at once and answer the rest 429 with ``Retry-After`` at once; with
@@ -123,7 +124,7 @@ def build_api(
     )
     async def chat_completions(
         request: Request,
-        body: Annotated[ChatCompletionRequest, Depends(_json_body(ChatCompletionRequest))],
+        body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
     ) -> Response:
         """Chat completion (OpenAI's), streamed as server-sent events with `stream`."""
         reqs, shape = await chat_choices(backend, body, model_name)
@@ -137,7 +138,7 @@ def build_api(
     )
     async def completions(
         request: Request,
-        body: Annotated[CompletionRequest, Depends(_json_body(CompletionRequest))],
+        body: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))],
     ) -> Response:
         """Text completion (OpenAI's legacy endpoint), streamed with `stream`."""
         reqs, shape = await completion_choices(backend, body, model_name)
@@ -194,14 +195,6 @@ def build_api(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(v1)
+    tokenize_errors = error_responses(400, *(401,) if api_key else (), 404, 413, 500)
+    add_tokenize_routes(app, backend, model_name, [Depends(check_key)], tokenize_errors)
     return app
-
-
-def _json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
-    """A dependency: the request body parsed as ``model`` (in a thread; a 400 naming the
-    field when it does not parse). The body is whole already: ``_LimitBody`` read it."""
-
-    async def read(request: Request) -> B:
-        return await asyncio.to_thread(parse_body, await request.body(), model)
-
-    return read

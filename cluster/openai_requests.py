@@ -33,7 +33,7 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,
     }
-    ids = await asyncio.to_thread(_chat_ids, backend, messages, template)
+    ids = await asyncio.to_thread(chat_ids, backend, messages, template)
     ids = body.truncated(ids, backend.max_model_len)
     bad_words = await _bad_words_token_ids(backend, body)
     structured = await asyncio.to_thread(body.structured_outputs_params)
@@ -100,7 +100,7 @@ async def _bad_words_token_ids(backend: Backend, body: GenerateBody) -> tuple[tu
     return await asyncio.to_thread(valid, lambda: backend.bad_words_token_ids(words))
 
 
-def _chat_ids(
+def chat_ids(
     backend: Backend, messages: list[dict[str, str]], template: dict[str, bool]
 ) -> list[int]:
     try:

@@ -17,6 +17,8 @@ from kvmesh.cluster.protocol import REQUEST_MODELS
 from kvmesh.cluster.response_models import RESPONSE_MODELS
 
 _REF = "#/components/schemas/{model}"
+# Outside /v1, the paths that need the API key when one is set.
+KEYED_PATHS = ("/metrics", "/tokenize", "/detokenize")
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -117,7 +119,7 @@ def add_openapi(app: FastAPI, secured: bool) -> None:
             if secured:
                 components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, ops in schema.get("paths", {}).items():
-                    if path.startswith("/v1/") or path == "/metrics":
+                    if path.startswith("/v1/") or path in KEYED_PATHS:
                         for op in ops.values():
                             op["security"] = [{"bearer": []}]
             app.openapi_schema = schema

@@ -202,4 +202,32 @@ class CompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras):
         return batch  # type: ignore[return-value]
 
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+class TokenizeRequest(Body):
+    """vLLM's ``/tokenize`` body (``tokenize_api.py``): one of ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, description="A completion prompt's text.")
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(True, description="As chat's (vLLM's extension).")
+    continue_final_message: bool = Field(False, description="As chat's (vLLM's extension).")
+    add_special_tokens: bool | None = Field(
+        None,
+        description="Only what generating does: true for a prompt, false for messages "
+        "(the chat template has them).",
+    )
+    return_token_strs: bool = Field(False, description="Each token's own text too.")
+
+
+class DetokenizeRequest(Body):
+    """vLLM's ``/detokenize`` body (``tokenize_api.py``)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(description="Token ids of the vocabulary.")
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)

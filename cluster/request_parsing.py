@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.generate_body import StreamOptions
@@ -16,7 +18,9 @@ from kvmesh.cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     TextPart,
+    TokenizeRequest,
 )
 from kvmesh.cluster.structured_body import JsonSchemaFormat, ResponseFormat, StructuredOutputsBody
 
@@ -31,13 +35,15 @@ _FIELDS = frozenset(
         ResponseFormat,
         JsonSchemaFormat,
         StructuredOutputsBody,
+        TokenizeRequest,
+        DetokenizeRequest,
     )
     for name, info in model.model_fields.items()
     for name in (name, info.alias or name)  # errors name a field by its alias ("schema")
 )
 
 
-B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
+B = TypeVar("B", bound=BaseModel)
 
 
 def parse_body(raw: bytes, model: type[B]) -> B:
@@ -47,6 +53,17 @@ def parse_body(raw: bytes, model: type[B]) -> B:
     except ValidationError as e:
         message, param = describe_errors(e.errors(include_url=False))
         raise ApiError(400, message, param=param) from None
+
+
+def json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
+    """A FastAPI dependency: the request body parsed as ``model`` (in a thread, off the event
+    loop; a 400 naming the field when it does not parse). The body is whole already: the
+    ``LimitBody`` middleware read it."""
+
+    async def read(request: Request) -> B:
+        return await asyncio.to_thread(parse_body, await request.body(), model)
+
+    return read
 
 
 def parse_dict(body: Any, model: type[B]) -> B:

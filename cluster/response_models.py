@@ -187,6 +187,21 @@ class Health(_Out):
     status: Literal["ok"]
 
 
+class TokenizeResponse(_Out):
+    """vLLM's ``/tokenize`` answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(description="With return_token_strs: each token's text.")
+
+
+class DetokenizeResponse(_Out):
+    """vLLM's ``/detokenize`` answer."""
+
+    prompt: str
+
+
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse,
     ChatCompletionResponse,
@@ -196,4 +211,6 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ModelCard,
     ModelList,
     Health,
+    TokenizeResponse,
+    DetokenizeResponse,
 )

@@ -40,6 +40,8 @@ ROUTES = [
     ("GET", "/v1/models/{model}"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
 
 

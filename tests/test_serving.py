@@ -16,6 +16,7 @@ from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
+from tests.openai_helpers import call
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import (
     busy_worker,
@@ -66,6 +67,9 @@ def test_openai_chat_completions_and_stream(unified) -> None:
         model=config.model_name, prompt="Once upon", max_tokens=10, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in pieces if c.choices) == comp.choices[0].text
+    # vLLM's /tokenize through Serve's proxy counts what the completion's usage did.
+    status, counted = call(config.port, "POST", "/tokenize", {"prompt": "Once upon"})
+    assert status == 200 and counted["count"] == comp.usage.prompt_tokens, counted
     # Several choices through Serve: each is a request of its own on the workers, placed at
     # the same time through one handle (before own_call_id, all but one hung in Serve's
     # router: a timeout, not a hang, says so).

@@ -68,9 +68,10 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
 
 
-def decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    """The text of ``ids`` as the generated text decodes them (special tokens skipped)."""
-    return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+def decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """The text of ``ids`` as the generated text decodes them (special tokens skipped, unless
+    ``skip_special_tokens`` is False)."""
+    return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
 
 def token_bytes(tokenizer: Any, ids: Sequence[int]) -> list[bytes]:
