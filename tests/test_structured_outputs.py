@@ -10,6 +10,8 @@ import json
 import math
 import pickle
 import re
+import subprocess
+import sys
 from typing import Literal
 
 import jsonschema
@@ -247,3 +249,12 @@ def test_a_hostile_constraint_is_refused_before_it_runs(llm: LLM, server) -> Non
         Spec(json=deep)
     status, body = call(server[0], "POST", *chat(guided_regex="(a{1000}){1000}"))
     assert_bad(status, body, "structured_outputs")
+
+
+def test_the_engine_does_not_load_torch_compile() -> None:
+    """``llguidance.torch`` runs ``torch.compile`` when imported: dynamo and inductor, 2.1 s of
+    every process that imports the engine (each worker; make test took minutes longer). The
+    masks use numpy instead."""
+    code = "import sys, kvmesh.workers.engine; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out
