@@ -63,19 +63,21 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """The one constraint given: "json", "regex", "choice", "grammar" or "json_object"."""
-        given = [f.name for f in fields(self) if f.name != "disable_any_whitespace"]
-        given = [n for n in given if getattr(self, n) not in (None, False)]
-        return given[0]
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        """The constraints given (validate: exactly one)."""
+        return [
+            f.name
+            for f in fields(self)
+            if f.name != "disable_any_whitespace" and getattr(self, f.name) not in (None, False)
+        ]
 
     def validate(self) -> None:
         def bad(why: str) -> ValueError:
             return ValueError(f"structured_outputs: {why}")
 
-        given = [
-            f.name
-            for f in fields(self)
-            if f.name != "disable_any_whitespace" and getattr(self, f.name) not in (None, False)
-        ]
+        given = self._given()
         if len(given) != 1:
             raise bad(
                 "give exactly one of json, regex, choice, grammar or json_object, got "
