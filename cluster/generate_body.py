@@ -46,6 +46,12 @@ def model_not_found(model: str, model_name: str) -> ApiError:
     )
 
 
+def check_model(model: str | None, model_name: str) -> None:
+    """A body's ``model``: absent, or the one served (else ``model_not_found``)."""
+    if model is not None and model != model_name:
+        raise model_not_found(model, model_name)
+
+
 class Body(BaseModel):
     # No NaN or Infinity (not JSON, though parsers take them) and no 1e400 (parsed as inf).
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -196,8 +202,7 @@ class GenerateBody(Body):
     def check(self, model_name: str) -> None:
         """Checks that need no tokens: the model, n, the fields kvmesh does not implement,
         stream_options without stream, and top_logprobs without logprobs."""
-        if self.model is not None and self.model != model_name:
-            raise model_not_found(self.model, model_name)
+        check_model(self.model, model_name)
         if not 1 <= self.n <= MAX_CHOICES:
             raise ApiError(400, f"n: must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
         for name, unsupported in self.UNSUPPORTED.items():

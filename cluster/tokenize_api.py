@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from kvmesh.cluster.api_error import ApiError, valid
 from kvmesh.cluster.backend import Backend
-from kvmesh.cluster.generate_body import model_not_found
+from kvmesh.cluster.generate_body import check_model
 from kvmesh.cluster.openai_requests import chat_ids
 from kvmesh.cluster.openapi_doc import json_response, request_body
 from kvmesh.cluster.protocol import DetokenizeRequest, TokenizeRequest
@@ -49,7 +49,7 @@ def add_tokenize_routes(
         body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))],
     ) -> dict[str, Any]:
         """A prompt's (or a chat's) token ids, as the generation routes compute them."""
-        _check_model(body.model, model_name)
+        check_model(body.model, model_name)
         ids = await asyncio.to_thread(_tokenize, backend, body)
         strs = await asyncio.to_thread(backend.token_texts, ids) if body.return_token_strs else None
         return {
@@ -69,7 +69,7 @@ def add_tokenize_routes(
         body: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))],
     ) -> dict[str, Any]:
         """Token ids' text, special tokens kept."""
-        _check_model(body.model, model_name)
+        check_model(body.model, model_name)
         vocab = backend.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise ApiError(400, f"tokens: must be token ids in [0, {vocab})", param="tokens")
@@ -98,8 +98,3 @@ def _tokenize(backend: Backend, body: TokenizeRequest) -> list[int]:
         "continue_final_message": body.continue_final_message,
     }
     return chat_ids(backend, [m.as_dict() for m in body.messages], template)
-
-
-def _check_model(model: str | None, model_name: str) -> None:
-    if model is not None and model != model_name:
-        raise model_not_found(model, model_name)
