@@ -28,8 +28,10 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
   meanwhile; it is started again as an autoscaler would).
 - ``transfer_faults``, ``overload``, ``fuzz``: single-host scenarios of their own benches.
   ``transfer_faults`` and ``fuzz``, whose figures are counts (and the soak's are counts and
-  memory), run one after the other beside the soak, on a Ray of their own (``beside``); the
-  rows whose figures are times run alone.
+  memory), run beside the soak and the host faults (``host_lost``, ``link_cut``: counts, and
+  heal times with no target), at once, each on a Ray of its own (``beside``: one after the
+  other beside the soak alone, they outlasted it by six minutes); the rows whose figures are
+  times with a target run alone.
 
     sudo .venv/bin/python bench/chaos.py [--only pull_1gbit,worker_killed] [--quick]
 """
@@ -42,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -75,24 +77,24 @@ def emit(row: dict[str, Any]) -> None:
 
 
 @contextmanager
-def beside(work: Callable[[], None] | None) -> Iterator[None]:
-    """Run ``work`` on a thread for the duration; wait for it at the end, and raise what it
-    raised."""
+def beside(works: Sequence[Callable[[], None]]) -> Iterator[None]:
+    """Run each of ``works`` on a thread of its own for the duration; wait for them at the
+    end, and raise the first error one raised."""
     raised: list[BaseException] = []
 
-    def run() -> None:
+    def run(work: Callable[[], None]) -> None:
         try:
             work()
         except BaseException as e:
             raised.append(e)
 
-    thread = threading.Thread(target=run, name="chaos-beside", daemon=True) if work else None
-    if thread:
+    threads = [threading.Thread(target=run, args=(w,), name="chaos-beside") for w in works]
+    for thread in threads:
         thread.start()
     try:
         yield
     finally:
-        if thread:
+        for thread in threads:
             thread.join()
     if raised:
         raise raised[0]
@@ -190,7 +192,7 @@ def two_host_rows(
     quick: bool,
     cut_s: float,
     soak_s: float,
-    beside_soak: Callable[[], None] | None = None,
+    beside_soak: Sequence[Callable[[], None]] = (),
 ) -> None:
     with TwoHosts(cpus=(1, 1)) as hosts:
         a_only = ["--ingress-resources", json.dumps({"host_a": 1})]
@@ -227,14 +229,17 @@ def two_host_rows(
             if "client_disconnects" in only:
                 emit(driver(hosts, "client_disconnects", "tiny-random", base_url=url,
                             streams=10, max_tokens=2000))  # fmt: skip
-            if "soak" in only:
-                kw = {"seconds": soak_s, "n": n // 2, "max_tokens": tokens, "kill_every_s": 30.0}
-                with beside(beside_soak):
+            # The rows beside run on through the host faults too: their figures are counts
+            # and heal times with no target (the soak's two beside rows outlast it here).
+            with beside(beside_soak):
+                if "soak" in only:
+                    kw = {"seconds": soak_s, "n": n // 2, "max_tokens": tokens,
+                          "kill_every_s": 30.0}  # fmt: skip
                     emit(driver(hosts, "soak", "tiny-random", timeout=soak_s + 900,
                                 base_url=url, **kw))  # fmt: skip
-            for s in ("host_lost", "link_cut"):
-                if s in only:
-                    emit(host_fault(hosts, s, url, n, tokens, cut_s, FAULT_AFTER_S[quick]))
+                for s in ("host_lost", "link_cut"):
+                    if s in only:
+                        emit(host_fault(hosts, s, url, n, tokens, cut_s, FAULT_AFTER_S[quick]))
 
 
 # The one-host rows: each bench's own command line (its defaults are the issue's sizes).
@@ -279,7 +284,7 @@ def main() -> None:
         args.quick,
         args.cut_s,
         soak_s,
-        (lambda: one_host_rows(beside_soak, args.quick)) if beside_soak else None,
+        [lambda s=s: one_host_rows([s], args.quick) for s in beside_soak],
     )
     one_host_rows([s for s in one_host if s not in beside_soak], args.quick)
 

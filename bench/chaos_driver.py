@@ -34,6 +34,7 @@ from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
 from tests.two_hosts_client import reference as no_fault_outputs
 
 SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
+SOAK_SALT = 100  # the soak's rounds: salts from here on (the others' are below 10)
 
 
 def stats() -> dict[str, Any]:
@@ -131,7 +132,7 @@ def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
     killed: dict[str, Any] = {}
 
     def fault() -> None:
-        busy = _busy_worker()
+        busy = _busy_worker() or next(iter(stats()["workers"]))  # none busy: any
         killed["worker"] = busy
         killed["at"] = time.monotonic()
         kill_worker(busy)
@@ -153,7 +154,7 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
     hung: dict[str, Any] = {}
 
     def fault() -> None:
-        busy = _busy_worker()
+        busy = _busy_worker() or next(iter(stats()["workers"]))  # none busy: any
         engines = {w: m["handle"] for w, m in ray.get(_index().workers.remote()).items()}
         pid = ray.get(engines[busy].__ray_call__.remote(lambda _: os.getpid()), timeout=30)
         os.kill(pid, signal.SIGSTOP)
@@ -177,13 +178,14 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
                    index_purged_s=hung.get("purged_s"), killed_by_replica=gone)  # fmt: skip
 
 
-def _busy_worker(within_s: float = 30.0) -> str:
-    """A worker running requests now (on a loaded box the load may take a while to arrive)."""
+def _busy_worker(within_s: float = 30.0, besides: str | None = None) -> str | None:
+    """A worker running requests now, other than ``besides`` (on a loaded box the load may
+    take a while to arrive); None if there is none within ``within_s``."""
     deadline = time.monotonic() + within_s
     while True:
-        busy = [w for w, ld in stats()["workers"].items() if ld["running"]]
+        busy = [w for w, ld in stats()["workers"].items() if ld["running"] and w != besides]
         if busy or time.monotonic() > deadline:
-            return busy[0]
+            return busy[0] if busy else None
         time.sleep(0.1)
 
 
@@ -285,36 +287,50 @@ def _footprint(handle: Any) -> dict[str, float]:
 def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: float) -> dict:
     """Mixed load for ``seconds`` with a fault every ``kill_every_s`` (a worker replica or the
     index, in turn; the first worker is never killed so its process can be compared): no
-    request lost, leases and pins back to 0, RSS and threads of the survivors flat."""
-    ref = reference(n, max_tokens, salt=3)
-    run_traffic(base_url, n, max_tokens, salt=3)  # warm: the pools hold what they will hold
+    request lost, leases and pins back to 0, RSS and threads of the survivors flat.
+
+    Each round's prompts are new (a round of prompts the pools already hold would all go to
+    their holder, so a killed worker would have nothing running: the thirty-second session's
+    soak migrated nothing), and a worker is killed once it runs requests (``busy_kills``)."""
+    salts = iter(range(SOAK_SALT, SOAK_SALT + 10**6))
+    run_traffic(base_url, n, max_tokens, salt=next(salts))  # warm the processes
     survivor = sorted(w for w in _processes() if w != "ingress")[0]
     watched = {k: h for k, h in _processes().items() if k in (survivor, "ingress")}
     before = {k: _footprint(h) for k, h in watched.items()}
-    runs, faults = [], 0
+    runs, faults, busy_kills = [], 0, []
     start = time.monotonic()
     end = start + seconds
     next_fault = start + kill_every_s
+
+    def kill_a_busy_victim() -> None:
+        victim = _busy_worker(within_s=10.0, besides=survivor)
+        if victim is not None:
+            kill_worker(victim)
+        busy_kills.append(victim is not None)
+
     while time.monotonic() < end:
         fault = None
         if time.monotonic() >= next_fault:
             faults += 1
             next_fault += kill_every_s
-            victims = [w for w in stats()["workers"] if w != survivor]
-            if faults % 2 and victims:
-                fault = lambda v=victims[0]: kill_worker(v)  # noqa: E731
+            if faults % 2:
+                fault = kill_a_busy_victim
             else:
                 fault = lambda: ray.kill(_index(), no_restart=False)  # noqa: E731
-        runs.append(run_traffic(base_url, n, max_tokens, salt=3, fault=fault))
+        salt = next(salts)
+        runs.append((salt, run_traffic(base_url, n, max_tokens, salt=salt, fault=fault)))
     _wait_for(lambda: len(stats().get("workers", {})) >= 2, 120)
     time.sleep(5.0)  # leases of the last pulls end; stats settle
     after = {k: _footprint(h) for k, h in watched.items()}
     workers = _processes()
-    merged = {"results": [r for run in runs for r in run["results"]], "seconds": end - start}
-    ref_all = {"results": ref["results"] * len(runs)}
+    # The no-fault outputs of every round at once (``n`` is even: each request's index in the
+    # joined list streams as it did in its round).
+    ref = no_fault_outputs([t for salt, _ in runs for t in texts(n, salt)], max_tokens)
+    merged = {"results": [r for _, run in runs for r in run["results"]], "seconds": end - start}
     return summary(
-        "soak", ref_all, merged,
+        "soak", ref, merged,
         faults=faults,
+        busy_kills=f"{sum(busy_kills)} of {len(busy_kills)}",
         leases=sum(ray.get(h.num_leases.remote()) for k, h in workers.items() if k != "ingress"),
         pins=sum(ray.get(h.num_pinned.remote()) for k, h in workers.items() if k != "ingress"),
         rss_growth={k: round(after[k]["rss_mb"] / before[k]["rss_mb"] - 1, 3) for k in before},

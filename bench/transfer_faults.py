@@ -263,7 +263,7 @@ def main() -> None:
         late_rate=args.late_rate,
         seed=args.seed,
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         result = run_transfer_faults(
             faults,
