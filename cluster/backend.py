@@ -28,7 +28,7 @@ class GenerateRequest:
     request_id: str
     params: SamplingParams
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     # The prompt's token ids when the caller already tokenized it (the HTTP layer does, to
     # check the length): a backend uses them instead of tokenizing again.
     prompt_ids: list[int] | None = None
@@ -138,10 +138,10 @@ class Backend(Protocol):
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a completion prompt (ValueError naming ``prompt`` on bad input)."""
 
-    def tokenize_chat(self, messages: list[dict[str, str]], **template: bool) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
         """Token ids of the chat template applied to ``messages`` plus the assistant turn;
-        ``template``: ``chat_prompt_ids``'s ``add_generation_prompt`` and
-        ``continue_final_message``."""
+        ``template``: ``chat_prompt_ids``'s ``add_generation_prompt``,
+        ``continue_final_message`` and ``tools``."""
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (for logprobs)."""

@@ -122,7 +122,7 @@ class ClusterBackend:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
 
-    def tokenize_chat(self, messages: list[dict[str, str]], **template: bool) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, **template)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:

@@ -20,6 +20,7 @@ from kvmesh.cluster.generate_body import GenerateBody
 from kvmesh.cluster.generation import choice_id
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.response_shape import Echo, ResponseShape
+from kvmesh.cluster.tool_calls import template_tools
 from kvmesh.workers.sampling_params import SamplingParams
 
 Choices = tuple[list[GenerateRequest], ResponseShape]
@@ -32,6 +33,7 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
     template = {
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,
+        "tools": template_tools(body.tools),
     }
     ids = await asyncio.to_thread(chat_ids, backend, messages, template)
     ids = body.truncated(ids, backend.max_model_len)
@@ -43,7 +45,10 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = body.per_choice(params)
     reqs = _choice_requests(rid, 0, body.n, choices, messages=messages, prompt_ids=ids)
-    return reqs, ResponseShape("chat", rid, model_name, body.num_logprobs(), body.n)
+    shape = ResponseShape(
+        "chat", rid, model_name, body.num_logprobs(), body.n, tools=body.tool_calling()
+    )
+    return reqs, shape
 
 
 async def completion_choices(backend: Backend, body: CompletionRequest, model_name: str) -> Choices:
@@ -101,7 +106,7 @@ async def _bad_words_token_ids(backend: Backend, body: GenerateBody) -> tuple[tu
 
 
 def chat_ids(
-    backend: Backend, messages: list[dict[str, str]], template: dict[str, bool]
+    backend: Backend, messages: list[dict[str, Any]], template: dict[str, Any]
 ) -> list[int]:
     try:
         return valid(lambda: backend.tokenize_chat(messages, **template))

@@ -12,14 +12,23 @@ constants (``field_schemas.py``). The fields both bodies share: ``generate_body.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.field_schemas import LOGPROBS_SCHEMA, schema
 from kvmesh.cluster.generate_body import MAX_CHOICES, Body, GenerateBody
 from kvmesh.cluster.structured_body import StructuredOutputFields
+from kvmesh.cluster.tool_calls import (
+    MAX_TOOLS,
+    TOOLS_NEED_A_CHOICE,
+    MessageToolCall,
+    Tool,
+    ToolCalling,
+    ToolChoice,
+    tool_calling,
+)
 from kvmesh.cluster.unsupported_fields import (
     EmptyList,
     NoneChoice,
@@ -31,6 +40,7 @@ from kvmesh.cluster.unsupported_fields import (
 )
 from kvmesh.cluster.vllm_extras import ChatVllmExtras, VllmExtras
 from kvmesh.workers.chat import ROLES
+from kvmesh.workers.structured_output import StructuredOutputsParams
 
 
 class TextPart(Body):
@@ -40,13 +50,26 @@ class TextPart(Body):
 
 class ChatMessage(Body):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = Field(
+        None, description="Absent or null only in an assistant's message that has tool_calls."
+    )
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="An assistant's earlier calls: they go to the chat template."
+    )
+    tool_call_id: str | None = Field(
+        None, description="A tool's message: the call it answers (to the chat template)."
+    )
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         text = self.content
-        if not isinstance(text, str):  # content parts, as newer clients send them
+        if isinstance(text, list):  # content parts, as newer clients send them
             text = "\n".join(p.text for p in text)
-        return {"role": self.role, "content": text}
+        out: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras, ChatVllmExtras):
@@ -54,14 +77,18 @@ class ChatCompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras, Ch
 
     Besides the shared fields (``GenerateBody``), OpenAI's chat fields kvmesh does not
     implement are accepted only at a value that asks for nothing, else a 400 naming the field:
-    ``tools`` and the deprecated ``functions`` only ``[]`` or null, ``tool_choice``
-    and ``function_call`` only ``"none"`` or null (no tool calls: OpenAI and vLLM refuse a
-    tool_choice without tools too). ``parallel_tool_calls`` is accepted at any boolean: with
-    no tools it asks for nothing. vLLM's extensions kvmesh does not implement: the same
-    (``vllm_extras.py``). vLLM's ``add_generation_prompt`` and ``continue_final_message`` are
-    served (the chat template's own options).
+    the deprecated ``functions`` only ``[]`` or null, ``function_call`` only ``"none"`` or
+    null. ``tools`` with ``tool_choice`` "required" or a named function are served by
+    structured outputs, "auto" is refused (``tool_calls.py``). vLLM's extensions kvmesh does
+    not implement: the same (``vllm_extras.py``). vLLM's ``add_generation_prompt`` and
+    ``continue_final_message`` are served (the chat template's own options).
     """
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [GenerateBody.model_config["json_schema_extra"], TOOLS_NEED_A_CHOICE]
+        }
+    )
     PROMPT_FIELD = "messages"
     LOGPROBS_FIELD = "top_logprobs"
     UNSUPPORTED = (
@@ -69,8 +96,6 @@ class ChatCompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras, Ch
         | VllmExtras.VLLM_UNSUPPORTED
         | ChatVllmExtras.VLLM_UNSUPPORTED
         | {
-            "tools": Unsupported("tool calls", "[]", is_empty),
-            "tool_choice": Unsupported("tool calls", '"none"', is_none_choice),
             "functions": Unsupported("function calls", "[]", is_empty),
             "function_call": Unsupported("function calls", '"none"', is_none_choice),
         }
@@ -92,10 +117,17 @@ class ChatCompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras, Ch
     top_logprobs: Annotated[int | None, LOGPROBS_SCHEMA] = Field(
         None, description="Needs logprobs: true."
     )
-    tools: EmptyList = Field(None, description=unsupported_doc("[]"))
-    tool_choice: NoneChoice = Field(None, description=unsupported_doc('"none"'))
+    tools: list[Tool] | None = Field(
+        None, max_length=MAX_TOOLS, description="Functions the model may call."
+    )
+    tool_choice: ToolChoice = Field(
+        None,
+        description='"required" (one call or more), a named function (one call of it), '
+        '"none" (no call; the tools still go to the chat template). "auto", the default '
+        "with tools, is refused: kvmesh has no parser of free-text tool calls.",
+    )
     parallel_tool_calls: bool | None = Field(
-        None, description="Accepted, unused: kvmesh takes no tools."
+        None, description='With "required": false allows one call only.'
     )
     functions: EmptyList = Field(None, description=unsupported_doc("[]", " Deprecated by OpenAI."))
     function_call: NoneChoice = Field(
@@ -118,8 +150,27 @@ class ChatCompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras, Ch
     def default_max_tokens(self, room: int) -> int:
         return room  # OpenAI's chat default: as long as the context allows
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         return [m.as_dict() for m in self.messages]
+
+    def tool_calling(self) -> ToolCalling | None:
+        """What the tools ask of the answer (None: no calls); ApiError 400 naming the field."""
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The structured-output fields' constraint, or the tool calls' (``tool_calls.py``);
+        both are a 400."""
+        calling = self.tool_calling()
+        asked = super().structured_outputs_params()
+        if calling is None:
+            return asked
+        if asked is not None:
+            raise ApiError(
+                400,
+                "tool_choice: tool calls are structured outputs of their own; send no other",
+                param="tool_choice",
+            )
+        return calling.structured_outputs()
 
 
 class CompletionRequest(GenerateBody, StructuredOutputFields, VllmExtras):
@@ -210,6 +261,9 @@ class TokenizeRequest(Body):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = Field(True, description="As chat's (vLLM's extension).")
     continue_final_message: bool = Field(False, description="As chat's (vLLM's extension).")
+    tools: list[Tool] | None = Field(
+        None, max_length=MAX_TOOLS, description="As chat's: they go to the chat template."
+    )
     add_special_tokens: bool | None = Field(
         None,
         description="Only what generating does: true for a prompt, false for messages "

@@ -23,6 +23,14 @@ from kvmesh.cluster.protocol import (
     TokenizeRequest,
 )
 from kvmesh.cluster.structured_body import JsonSchemaFormat, ResponseFormat, StructuredOutputsBody
+from kvmesh.cluster.tool_calls import (
+    CalledFunction,
+    FunctionDefinition,
+    FunctionName,
+    MessageToolCall,
+    NamedToolChoice,
+    Tool,
+)
 
 _FIELDS = frozenset(
     name
@@ -35,6 +43,12 @@ _FIELDS = frozenset(
         ResponseFormat,
         JsonSchemaFormat,
         StructuredOutputsBody,
+        Tool,
+        FunctionDefinition,
+        NamedToolChoice,
+        FunctionName,
+        MessageToolCall,
+        CalledFunction,
         TokenizeRequest,
         DetokenizeRequest,
     )

@@ -76,9 +76,23 @@ class CompletionLogprobs(_Out):
     text_offset: list[int]
 
 
+class CalledFunction(_Out):
+    name: str
+    arguments: str = Field(description="JSON: the arguments, as the model wrote them.")
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls.")
+    tool_calls: list[ToolCall] | None = Field(
+        None, description='With tools and tool_choice "required" or a named function.'
+    )
 
 
 class ChatChoice(_Out):
@@ -101,9 +115,22 @@ class ChatCompletionResponse(_Out):
     kvmesh: KvmeshInfo
 
 
+class FunctionDelta(_Out):
+    name: str | None = Field(None, description="In a call's first delta.")
+    arguments: str = Field(description="More of the arguments: joined, the call's own.")
+
+
+class ToolCallDelta(_Out):
+    index: int = Field(description="Which call of the answer.")
+    id: str | None = Field(None, description="In a call's first delta.")
+    type: Literal["function"] | None = Field(None, description="In a call's first delta.")
+    function: FunctionDelta
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from kvmesh.cluster.backend import Chunk, Completion
+from kvmesh.cluster.tool_calls import ToolCallDeltas, ToolCalling, message_tool_calls
 
 Entries = Sequence[dict[int, float] | None]  # per token: its logprob and the top N, or None
 
@@ -60,7 +61,8 @@ class ResponseShape:
     ``text`` (text_completion for both), for choices ``n`` per prompt (index
     prompt * n + j, as OpenAI numbers them). ``echo``: per prompt, what completions' echo
     puts first (text only); ``prompt_only`` (echo with max_tokens 0): the generated token is
-    not shown, nor counted."""
+    not shown, nor counted. ``tools``: a chat's answers are tool calls, shown as
+    ``tool_calls`` (a stream's as OpenAI's deltas), with no ``content``."""
 
     def __init__(
         self,
@@ -71,8 +73,11 @@ class ResponseShape:
         n: int = 1,
         echo: list[Echo] | None = None,
         prompt_only: bool = False,
+        tools: ToolCalling | None = None,
     ) -> None:
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
+        self.tools = tools  # chat: the answer is tool calls (``tool_calls.py``)
+        self._tool_deltas: dict[int, ToolCallDeltas] = {}
         self.logprobs = logprobs  # top alternatives per token; None: no logprobs
         self.echo = echo
         self.prompt_only = prompt_only
@@ -98,6 +103,9 @@ class ResponseShape:
             echo = self._echo(index)
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": c.text}
+                if self.tools is not None:
+                    calls = message_tool_calls(self.tools, c.text)
+                    choice["message"] |= {"content": None, "tool_calls": calls}
             else:
                 choice["text"] = (echo.text if echo else "") + c.text
             offsets = _TextOffsets()
@@ -105,7 +113,7 @@ class ResponseShape:
             logprobs = self._logprobs(c.token_ids, c.logprobs, vocab, len(c.text), offsets, base)
             if echo is not None and logprobs is not None:
                 logprobs = self._echo_logprobs(echo, c.prompt_logprobs, vocab, logprobs)
-            choice |= {"logprobs": logprobs, "finish_reason": c.finish_reason}
+            choice |= {"logprobs": logprobs, "finish_reason": self._finish_reason(c.finish_reason)}
             if len(completions) > 1:
                 choice["kvmesh"] = c.kv.to_dict()
             choices.append(choice)
@@ -135,6 +143,11 @@ class ResponseShape:
             completion=chunk.completion,
             prompt_logprobs=chunk.prompt_logprobs,
         )
+
+    def _finish_reason(self, reason: str | None) -> str | None:
+        if reason is None or self.tools is None:
+            return reason
+        return self.tools.finish_reason(reason)
 
     def _echo(self, index: int) -> Echo | None:
         return self.echo[index // self.n] if self.echo is not None else None
@@ -218,7 +231,11 @@ class ResponseShape:
         choice: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text or role:
+            if self.tools is not None:
+                deltas = self._tool_deltas.setdefault(index, ToolCallDeltas(self.tools))
+                if calls := deltas.add(text):
+                    delta["tool_calls"] = calls
+            elif text or role:
                 delta["content"] = text
             choice["delta"] = delta
         else:
@@ -230,7 +247,7 @@ class ResponseShape:
             base = len(echo.text) if echo else 0
             offsets = self._offsets[index]
             lp = self._logprobs(*logprobs, vocab, self._text_len[index], offsets, base)
-        choice |= {"logprobs": lp, "finish_reason": finish_reason}
+        choice |= {"logprobs": lp, "finish_reason": self._finish_reason(finish_reason)}
         out = self._head(self.chunk_object) | {"choices": [choice]}
         if completion is not None:
             out["kvmesh"] = completion.kv.to_dict()

@@ -3,8 +3,8 @@ routes would compute them (so a client counts a prompt against ``max_model_len``
 sends it), and token ids back to text.
 
 ``/tokenize`` takes a completion prompt (``prompt``: text) or a chat (``messages``, with
-chat's ``add_generation_prompt`` and ``continue_final_message``), exactly one, and answers
-``{"count", "max_model_len", "tokens", "token_strs"}``: ``token_strs`` (with
+chat's ``add_generation_prompt``, ``continue_final_message`` and ``tools``), exactly one,
+and answers ``{"count", "max_model_len", "tokens", "token_strs"}``: ``token_strs`` (with
 ``return_token_strs: true``) are each token's own text, as logprobs' ``token`` shows it.
 ``add_special_tokens`` is accepted at what the generation routes do (a prompt: true; a chat:
 false, its template has them) and refused otherwise: the count must be the one generating
@@ -27,6 +27,7 @@ from kvmesh.cluster.openai_requests import chat_ids
 from kvmesh.cluster.openapi_doc import json_response, request_body
 from kvmesh.cluster.protocol import DetokenizeRequest, TokenizeRequest
 from kvmesh.cluster.request_parsing import json_body
+from kvmesh.cluster.tool_calls import template_tools
 
 
 def add_tokenize_routes(
@@ -96,5 +97,6 @@ def _tokenize(backend: Backend, body: TokenizeRequest) -> list[int]:
     template = {
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,
+        "tools": template_tools(body.tools),
     }
     return chat_ids(backend, [m.as_dict() for m in body.messages], template)

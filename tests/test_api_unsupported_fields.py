@@ -1,5 +1,5 @@
 """OpenAI fields kvmesh does not implement are refused, not silently ignored: each is accepted
-only at the value that asks for nothing (``best_of: 1``, ``tools: []``, ...), and
+only at the value that asks for nothing (``best_of: 1``, ``functions: []``, ...), and
 anything else is a 400 naming the field (a wrong type or a value out of OpenAI's range too);
 ``stream_options`` needs ``stream: true``; ``/openapi.json`` declares just the accepted values.
 Also: the ``Authorization`` scheme is case-insensitive (RFC 7235), the key is not.
@@ -21,17 +21,11 @@ from tests.openai_helpers import MODEL, Spy, call, serve
 Make = Callable[..., tuple[str, Any]]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # case: (route, field, values refused as not supported, values accepted: those that ask for
-# nothing). (The penalties and logit_bias are served: test_penalties.py.)
+# nothing). (The penalties and logit_bias are served: test_penalties.py; tools:
+# test_tool_calls.py.)
 FIELDS: dict[str, tuple[Make, str, list[Any], list[Any]]] = {
     "best_of": (complete, "best_of", [2, 20], [1, None]),
     "suffix": (complete, "suffix", ["!", " the end"], [None, ""]),
-    "tools": (chat, "tools", [[TOOL]], [[], None]),
-    "tool_choice": (
-        chat,
-        "tool_choice",
-        ["auto", "required", {"type": "function", "function": {"name": "f"}}],
-        ["none", None],
-    ),
     "functions (deprecated)": (chat, "functions", [[TOOL["function"]]], [[], None]),
     "function_call (deprecated)": (chat, "function_call", ["auto", {"name": "f"}], ["none", None]),
 }
@@ -158,11 +152,17 @@ def test_openapi_declares_only_the_accepted_values(server: tuple[int, Spy]) -> N
     null = {"type": "null"}
     assert completion_fields["best_of"]["anyOf"] == [{"const": 1}, null]
     assert completion_fields["suffix"]["anyOf"] == [{"const": ""}, null]
-    assert chat_fields["tools"]["anyOf"] == [{"type": "array", "maxItems": 0}, null]
-    assert chat_fields["tool_choice"]["anyOf"] == [{"const": "none"}, null]
+    assert chat_fields["functions"]["anyOf"] == [{"type": "array", "maxItems": 0}, null]
+    assert chat_fields["function_call"]["anyOf"] == [{"const": "none"}, null]
+    # tool_choice: "auto" is refused (test_tool_calls.py), and tools need a tool_choice
+    assert chat_fields["tool_choice"]["anyOf"][0] == {"enum": ["none", "required"]}
+    no_tools, choice = models["ChatCompletionRequest"]["allOf"][1]["anyOf"]
+    assert choice["required"] == ["tool_choice"]
+    assert {"type": "null"} in no_tools["properties"]["tools"]["anyOf"]
     needs_stream = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
-    for name in ("ChatCompletionRequest", "CompletionRequest"):  # stream_options needs stream
-        assert needs_stream in models[name]["anyOf"]
+    chat_conditions = models["ChatCompletionRequest"]["allOf"][0]
+    for conditions in (chat_conditions, models["CompletionRequest"]):  # options need stream
+        assert needs_stream in conditions["anyOf"]
     assert {CHAT, COMPLETIONS} <= set(schema["paths"])
 
 

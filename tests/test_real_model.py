@@ -110,3 +110,26 @@ def test_json_that_a_schema_allows_with_a_real_tokenizer(smollm2_llm) -> None:
     free = smollm2_llm.chat([chat], SamplingParams(max_tokens=64, temperature=0))[0].text
     with pytest.raises(ValueError):  # on its own the model wraps it in prose or a code block
         json.loads(free)
+
+
+def test_a_tool_call_with_a_real_tokenizer(smollm2_llm) -> None:
+    """tool_choice "required" (cluster/tool_calls.py) on the real model: the answer is one
+    call (parallel_tool_calls: false) that the reader splits, naming a tool, with arguments
+    that fit its schema; it stops at the list's end."""
+    from kvmesh.cluster.tool_calls import FunctionDefinition, ToolCalling
+
+    city = {"type": "string", "maxLength": 20}
+    parameters = {"properties": {"city": city}, "required": ["city"], "additionalProperties": False}
+    weather = FunctionDefinition(name="get_weather", parameters=parameters)
+    calling = ToolCalling((weather, FunctionDefinition(name="now")), parallel=False)
+    params = SamplingParams(
+        max_tokens=64, temperature=0, structured_outputs=calling.structured_outputs()
+    )
+    chat = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = smollm2_llm.chat([chat], params)[0]
+    assert out.finish_reason == "stop", out.text
+    (call,) = calling.calls(out.text)
+    assert call.name in ("get_weather", "now"), out.text
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, {"type": "object", **parameters} if call.name != "now" else {})
+    assert json.loads(out.text) == [{"name": call.name, "parameters": arguments}]

@@ -16,15 +16,20 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 def chat_prompt_ids(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids the chat template gives for ``messages`` plus, with ``add_generation_prompt``
     (the default), the assistant turn's start; with ``continue_final_message`` instead, the last
     message is left open, so the answer goes on with it (vLLM's options, the template's own:
-    a reply begun for the model, e.g. "{" before a JSON answer).
+    a reply begun for the model, e.g. "{" before a JSON answer). ``tools`` (OpenAI's tool
+    objects) go to the template as its ``tools``, as transformers passes them; so do an
+    assistant message's ``tool_calls`` (each call's arguments as a dict, which templates
+    expect) and a tool message's ``tool_call_id``. A template that does not use them leaves
+    them out.
 
     Raises ValueError naming ``messages`` (or ``messages[i]``) for an empty or malformed list,
     and ``continue_final_message`` with ``add_generation_prompt`` or where the template does
@@ -32,14 +37,7 @@ def chat_prompt_ids(
     """
     if not isinstance(messages, list | tuple) or not messages:
         raise ValueError("messages: must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}]: must be an object with 'role' and 'content'")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"messages[{i}].role: must be one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: must be a string")
+    rendered = [_template_message(i, m) for i, m in enumerate(messages)]
     if continue_final_message and add_generation_prompt:
         raise ValueError(
             "continue_final_message: continues the last message, so it needs "
@@ -47,7 +45,8 @@ def chat_prompt_ids(
         )
     try:
         text = tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages],
+            rendered,
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -60,6 +59,40 @@ def chat_prompt_ids(
             "text (is it empty?)"
         ) from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_message(i: int, m: Any) -> dict[str, Any]:
+    """A message as the chat template gets it; ValueError naming ``messages[i]``."""
+    if not isinstance(m, dict):
+        raise ValueError(f"messages[{i}]: must be an object with 'role' and 'content'")
+    role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ValueError(f"messages[{i}].role: must be one of {', '.join(ROLES)}")
+    if calls and role != "assistant":
+        raise ValueError(f"messages[{i}].tool_calls: only an assistant's message has them")
+    if content is None and calls:
+        content = ""  # an assistant's turn that only called tools (templates expect a string)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content: must be a string")
+    out: dict[str, Any] = {"role": role, "content": content}
+    if calls:
+        out["tool_calls"] = [_template_call(c) for c in calls]
+    if m.get("tool_call_id") is not None:
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier tool call with its arguments as a dict, where they are a JSON object (the
+    templates that show calls expect one, as vLLM gives them)."""
+    function = dict(call.get("function") or {})
+    try:
+        args = json.loads(function.get("arguments", ""))
+    except (TypeError, ValueError):
+        args = None
+    if isinstance(args, dict):
+        function["arguments"] = args
+    return {**call, "function": function}
 
 
 def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
