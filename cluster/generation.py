@@ -65,7 +65,7 @@ class Generation:
             return JSONResponse(answer)
         # Headers wait for every choice's first chunk: admission errors are still a 4xx, and
         # a client that leaves while its request is queued cancels it.
-        opened = await _until_disconnect(request, self.open(reqs))
+        opened = await _until_disconnect(request, self.open(reqs, shape))
         return StreamingResponse(
             _sse_events(self.chunks(opened, shape, include_usage, received), shape.id),
             media_type="text/event-stream",
@@ -77,16 +77,18 @@ class Generation:
     ) -> dict[str, Any]:
         """OpenAI's response for every choice (``received``: when the request came, on
         ``time.perf_counter``'s clock, for the TTFT metric)."""
-        completions = await _all([self.backend.generate(r) for r in reqs])
+        with shape.refusals():
+            completions = await _all([self.backend.generate(r) for r in reqs])
         for c in completions:
             self.metrics.observe_completion(c, time.perf_counter() - received - c.decode_s)
         return shape.response(completions, self.backend)
 
-    async def open(self, reqs: list[GenerateRequest]) -> Opened:
+    async def open(self, reqs: list[GenerateRequest], shape: ResponseShape) -> Opened:
         """Every choice's stream with its first chunk; an error here closes them all."""
         streams = [self.backend.stream(r) for r in reqs]
         try:
-            return Opened(await _all([s.__anext__() for s in streams]), streams)
+            with shape.refusals():
+                return Opened(await _all([s.__anext__() for s in streams]), streams)
         except BaseException:
             await _aclose_all(streams)
             raise

@@ -7,14 +7,21 @@ the tests check the two agree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
+from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.backend import Chunk, Completion
-from kvmesh.cluster.tool_calls import ToolCallDeltas, ToolCalling, message_tool_calls
+from kvmesh.cluster.tool_calls import (
+    ToolCallDeltas,
+    ToolCalling,
+    message_tool_calls,
+    tools_refusal,
+)
 
 Entries = Sequence[dict[int, float] | None]  # per token: its logprob and the top N, or None
 
@@ -143,6 +150,18 @@ class ResponseShape:
             completion=chunk.completion,
             prompt_logprobs=chunk.prompt_logprobs,
         )
+
+    @contextlib.contextmanager
+    def refusals(self) -> Iterator[None]:
+        """The backend's refusals as the client's fields name them: with tools, a worker's
+        refusal of the calls' grammar (the engine names it ``structured_outputs``) names
+        ``tools``."""
+        try:
+            yield
+        except ApiError as e:
+            if self.tools is None:
+                raise
+            raise tools_refusal(e) from None
 
     def _finish_reason(self, reason: str | None) -> str | None:
         if reason is None or self.tools is None:

@@ -223,7 +223,7 @@ class KvmeshServer:
         self, reqs: list[GenerateRequest], shape: ResponseShape, usage: bool, received: float
     ) -> AsyncIterator[dict[str, Any]]:
         with self._admitted(len(reqs)):  # at the first chunk asked for, as ``_stream``
-            opened = await self.generation.open(reqs)
+            opened = await self.generation.open(reqs, shape)
             # Closed with this generator (the caller stopped reading): aborts the choices.
             async with contextlib.aclosing(
                 self.generation.chunks(opened, shape, usage, received)

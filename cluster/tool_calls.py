@@ -220,6 +220,14 @@ class ToolCallDeltas:
         return deltas
 
 
+def tools_refusal(e: ApiError) -> ApiError:
+    """A worker's refusal of the calls' grammar (past llguidance's limits: the engine names
+    it ``structured_outputs``, its own field) as the field the client sent, ``tools``."""
+    if e.body["error"]["param"] != "structured_outputs":
+        return e
+    return ApiError(e.status, f"tools: {_why(e.body['error']['message'])}", param="tools")
+
+
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """The tools as the chat template gets them (transformers' ``tools``)."""
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
@@ -258,9 +266,14 @@ def _compiled(schema: dict[str, Any], where: str) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     except ValueError as e:
-        why = str(e).removeprefix("structured_outputs: ").removeprefix("json: ")
-        why = f"the schema{why.removeprefix('json')}" if why.startswith("json is ") else why
-        raise ApiError(400, f"{where}: {why}", param=where) from None
+        raise ApiError(400, f"{where}: {_why(str(e))}", param=where) from None
+
+
+def _why(message: str) -> str:
+    """A refusal of the calls' schema (``StructuredOutputsParams``': "structured_outputs:
+    json: ...") as said of the tools."""
+    why = message.removeprefix("structured_outputs: ").removeprefix("json: ")
+    return f"the schema{why.removeprefix('json')}" if why.startswith("json is ") else why
 
 
 _ITEM_HEAD = '{"name":"'

@@ -7,9 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import ray
 from ray import serve
 
+from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, deploy
 from tests.ports import free_port
@@ -94,3 +96,25 @@ def busy_worker(handle: Any) -> str | None:
     workers = handle.stats.remote().result()["workers"]
     busy = [w for w, load in workers.items() if load["running"] or load["waiting"]]
     return busy[0] if busy else None
+
+
+def check_prompt_logprobs(handle, reference: LLM, model_name: str) -> dict:
+    """An echo with logprobs of a cached prompt: computed again, its logprobs the engine's;
+    the handle's own dict takes prompt_logprobs too. Returns the last answer's ``kvmesh``."""
+    ids = list(range(9, 40))
+    handle.generate.remote({"prompt": ids, "max_tokens": 1}).result()  # cache it
+    want = reference.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    body = {"model": model_name, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 2}
+    out = handle.completions.remote(body).result()
+    lp = out["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + 2
+    want_lps = [entry[tok] for entry, tok in zip(want.prompt_logprobs[1:], ids[1:], strict=True)]
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want_lps, abs=1e-5)
+    assert out["kvmesh"]["computed_tokens"] == len(ids)
+    raw = handle.generate.remote({"prompt": ids, "max_tokens": 2, "prompt_logprobs": 0}).result()
+    got = raw["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    assert [e[t] for e, t in zip(got[1:], ids[1:], strict=True)] == pytest.approx(
+        want_lps, abs=1e-5
+    )
+    return raw["kvmesh"]

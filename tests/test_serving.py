@@ -1,4 +1,5 @@
-"""The Serve app on real Ray: OpenAI client over HTTP, the Python handle, routing, P/D."""
+"""The Serve app on real Ray: OpenAI client over HTTP, the Python handle, routing. P/D:
+test_serving_pd.py."""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from tests.openai_helpers import call
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import (
     busy_worker,
-    kill_worker,
+    check_prompt_logprobs,
     redeploy,
     replica_log,
-    running_replicas,
     tiny_config,
     undeploy,
     wait_for,
@@ -31,6 +31,14 @@ from tests.serve_helpers import (
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
+HOSTILE = {
+    "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+    "required": ["a"],
+}
+HOSTILE_TOOLS = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": HOSTILE}}],
+    "tool_choice": "required",
+}
 
 
 @pytest.fixture(scope="module")
@@ -195,28 +203,6 @@ def test_a_fast_stream_comes_in_fewer_chunks_than_tokens(unified) -> None:
     assert len(chunks) < len(want) / 2, [len(c["token_ids"]) for c in chunks]
 
 
-def check_prompt_logprobs(handle, reference: LLM, model_name: str) -> dict:
-    """An echo with logprobs of a cached prompt: computed again, its logprobs the engine's;
-    the handle's own dict takes prompt_logprobs too. Returns the last answer's ``kvmesh``."""
-    ids = list(range(9, 40))
-    handle.generate.remote({"prompt": ids, "max_tokens": 1}).result()  # cache it
-    want = reference.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
-    body = {"model": model_name, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 2}
-    out = handle.completions.remote(body).result()
-    lp = out["choices"][0]["logprobs"]
-    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + 2
-    want_lps = [entry[tok] for entry, tok in zip(want.prompt_logprobs[1:], ids[1:], strict=True)]
-    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want_lps, abs=1e-5)
-    assert out["kvmesh"]["computed_tokens"] == len(ids)
-    raw = handle.generate.remote({"prompt": ids, "max_tokens": 2, "prompt_logprobs": 0}).result()
-    got = raw["prompt_logprobs"]
-    assert got[0] is None and len(got) == len(ids)
-    assert [e[t] for e, t in zip(got[1:], ids[1:], strict=True)] == pytest.approx(
-        want_lps, abs=1e-5
-    )
-    return raw["kvmesh"]
-
-
 def test_handle_speaks_openai_bodies(unified, reference: LLM) -> None:
     """``handle.completions`` / ``handle.chat`` take the HTTP body as a dict and give the
     HTTP JSON: several choices, streams with usage, and the same 400s, raised."""
@@ -260,6 +246,13 @@ def test_handle_speaks_openai_bodies(unified, reference: LLM) -> None:
         handle.chat.remote({**chat, "logit_bias": {"99999": 1}}).result()
     assert bad.value.status == 400 and bad.value.body["error"]["param"] == "logit_bias"
     assert handle.ingress_stats.remote().result()["admitted"] == 0
+    # Tool calls: the handle's chat answers them as HTTP does.
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    named = {"type": "function", "function": {"name": "now"}}
+    called = handle.chat.remote({**chat, "n": 1, "tools": tools, "tool_choice": named}).result()
+    message = called["choices"][0]["message"]
+    assert message["content"] is None and called["choices"][0]["finish_reason"] == "stop"
+    assert message["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
     # Prompt logprobs (echo with logprobs) cross the actors, computed where it decodes.
     check_prompt_logprobs(handle, reference, config.model_name)
     # The caller's errors are one INFO line each in the replica's log, not ERROR tracebacks.
@@ -339,6 +332,8 @@ def test_a_worker_reports_an_answer_sent_whole_once_per_interval(unified) -> Non
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+        # refused by the worker (llguidance's limits), named by the client's field
+        ({"messages": [{"role": "user", "content": "hi"}], **HOSTILE_TOOLS}, "tools"),
     ],
 )
 def test_bad_input_through_the_live_app(unified, body, param) -> None:
@@ -355,65 +350,3 @@ def test_unknown_model_is_404(unified) -> None:
         client.chat.completions.create(
             model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
-
-
-def test_prefill_decode_equals_unified_and_survives_prefill_death(unified, reference) -> None:
-    """P/D equals unified; while the only prefill replica is lost and its replacement starts,
-    prompts are computed by the decode worker at once instead of queueing for the new one;
-    once it runs, prefill moves back to it."""
-    # One app at a time on this small cluster.
-    handle = redeploy(tiny_config(prefill_workers=1, decode_workers=1, prefill_wait_s=0.5))
-    try:
-        ids = list(range(3, 70))
-        req = {"prompt": ids, "max_tokens": 8, "temperature": 0}
-        out = handle.generate.remote(req).result()
-        want = reference.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0]
-        assert out["token_ids"] == want.token_ids
-        kv = out["kvmesh"]
-        assert kv["prefill_worker"].startswith("prefill-")
-        assert kv["worker"].startswith("decode-")
-        assert kv["pulled_tokens"] == (len(ids) - 1) // 4 * 4  # only the last block recomputed
-        # A salted request: both sides hash its blocks in its salt's namespace, so the decode
-        # worker pulls what the prefill worker computed (the unsalted blocks are not its).
-        salted = handle.generate.remote({**req, "cache_salt": "s"}).result()
-        assert salted["token_ids"] == want.token_ids
-        assert salted["kvmesh"]["pulled_tokens"] == kv["pulled_tokens"], salted["kvmesh"]
-        assert salted["kvmesh"]["prefill_worker"] == kv["prefill_worker"]
-        # min_tokens past the prefill's one token, and a structured output: the prefill
-        # request leaves out what only decoding reads (min_tokens made it a ValueError, so
-        # the decode worker computed every such prompt itself).
-        shaped = {"max_tokens": 8, "temperature": 0, "min_tokens": 4}
-        shaped["structured_outputs"] = {"regex": "[a-z]{6}"}
-        out_s = handle.generate.remote({"prompt": ids[:-5], **shaped}).result()
-        assert out_s["kvmesh"].get("prefill_worker") == kv["prefill_worker"], out_s["kvmesh"]
-        want_s = reference.generate([ids[:-5]], SamplingParams(**shaped))[0]
-        assert out_s["text"] == want_s.text and re.fullmatch("[a-z]{6}", want_s.text)
-
-        kill_worker(kv["prefill_worker"])
-        # Serve has noticed the loss and starts a replacement: no prefill replica runs.
-        wait_for(lambda: running_replicas("prefill") == 0, 30, "the prefill replica's loss")
-        ids2 = list(range(5, 60))
-        out2 = handle.generate.remote({**req, "prompt": ids2}).result()
-        want2 = reference.generate([ids2], SamplingParams(max_tokens=8, temperature=0))[0]
-        assert out2["token_ids"] == want2.token_ids
-        kv2 = out2["kvmesh"]
-        assert "prefill_worker" not in kv2  # it did not wait for the replacement
-        assert kv2["computed_tokens"] == len(ids2)
-        # The ingress says so where an operator reads Serve's logs, with the request's id.
-        line = [ln for ln in replica_log("KvmeshServer").splitlines() if "decode computes" in ln]
-        assert line and "WARNING" in line[-1], replica_log("KvmeshServer")[-2000:]
-
-        wait_for(lambda: running_replicas("prefill") == 1, 60, "the replacement prefill replica")
-
-        def prefilled_again() -> str | None:
-            ids3 = list(range(7, 50))
-            out3 = handle.generate.remote({**req, "prompt": ids3}).result()
-            return out3["kvmesh"].get("prefill_worker")
-
-        again = wait_for(prefilled_again, 30, "a prefill on the replacement", every=0.5)
-        assert again != kv["prefill_worker"]
-        # Prompt logprobs need the prompt computed where it decodes: no prefill replica.
-        kv4 = check_prompt_logprobs(handle, reference, "tiny-random")
-        assert "prefill_worker" not in kv4 and kv4["worker"].startswith("decode-")
-    finally:
-        undeploy()

@@ -8,9 +8,11 @@ conversation go to the chat template. The real model's call: test_real_model.py.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
+import openai
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -215,6 +217,26 @@ def test_the_answers_fit_the_documented_models(server) -> None:
     assert any(e["choices"] and e["choices"][0]["delta"].get("tool_calls") for e in events)
 
 
+def test_the_openai_clients_parse_gets_its_tools_arguments_back(client) -> None:
+    """The official client's ``parse`` with ``pydantic_function_tool`` (a strict schema of a
+    pydantic model): each call's arguments parsed back into the model."""
+
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=6)
+        unit: Literal["celsius", "fahrenheit"]
+
+    done = client.beta.chat.completions.parse(
+        model=MODEL, messages=USER, tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required", max_tokens=120, temperature=0,
+    )  # fmt: skip
+    calls = done.choices[0].message.tool_calls
+    assert calls, done
+    for c in calls:
+        assert c.function.name == "GetWeather"
+        assert isinstance(c.function.parsed_arguments, GetWeather), c
+        assert c.function.parsed_arguments == GetWeather.model_validate_json(c.function.arguments)
+
+
 def test_a_call_cut_by_max_tokens_says_length(client) -> None:
     done = client.chat.completions.create(
         model=MODEL, messages=USER, tools=TOOLS, tool_choice=NAMED, max_tokens=3
@@ -349,3 +371,20 @@ def test_refused_before_anything_runs(server: tuple[int, Spy], fields: dict, par
     assert_bad(status, body, param)
     assert "two functions" not in body["error"]["message"] or fields["tools"] == [WEATHER] * 2
     assert spy.calls == calls
+
+
+def test_a_hostile_schema_is_refused_naming_tools(server: tuple[int, Spy]) -> None:
+    """A pattern whose lexer blows up compiles at the ingress and is refused when the worker
+    makes its matcher, where the engine names its own field: the client hears ``tools``."""
+    hostile = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+        "required": ["a"],
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": hostile}}]
+    for stream in (False, True):
+        status, body = call(
+            server[0], "POST", *chat(tools=tools, tool_choice="required", stream=stream)
+        )
+        assert_bad(status, body, "tools")
+        assert body["error"]["message"].startswith("tools: lexer error"), body
