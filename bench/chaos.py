@@ -143,7 +143,10 @@ def host_fault(
         time.sleep(cut_s)
         hosts.link(True)
     out, _ = proc.communicate(timeout=900)
-    run = json.loads(out.strip().splitlines()[-1])
+    run = _last_json(out, "results")
+    if run is None:  # the whole output kept for a look, the suite goes on
+        Path(f"/tmp/kvmesh-chaos-{name}.out").write_text(out)
+        return {"scenario": name, "error": f"no results from the load (exit {proc.returncode})"}
     start = time.monotonic()
     # After a short cut host b may still be in the cluster; a lost host (or one Ray declared
     # dead meanwhile) is started again, as an autoscaler would.
@@ -159,6 +162,19 @@ def host_fault(
     return summary(
         name, ref, run, workers_answering=answering, heal_s=healed, restarted=restarted, cut_s=cut
     )
+
+
+def _last_json(out: str, key: str) -> dict[str, Any] | None:
+    """The last line of ``out`` that is a JSON object with ``key``: a process under a fault
+    may print other lines too (one run's host_lost load ended with a line that was not one)."""
+    for line in reversed(out.splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and key in obj:
+            return obj
+    return None
 
 
 def slow_link(hosts: TwoHosts, url: str, quick: bool) -> dict[str, Any]:
