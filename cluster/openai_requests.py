@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 
@@ -20,7 +20,7 @@ from kvmesh.cluster.generate_body import GenerateBody
 from kvmesh.cluster.generation import choice_id
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.response_shape import Echo, ResponseShape
-from kvmesh.cluster.tool_calls import template_tools
+from kvmesh.cluster.tool_calls import Tool, template_tools
 from kvmesh.workers.sampling_params import SamplingParams
 
 Choices = tuple[list[GenerateRequest], ResponseShape]
@@ -30,12 +30,7 @@ async def chat_choices(backend: Backend, body: ChatCompletionRequest, model_name
     """A chat body's choices (ApiError 400 when the model, template or sampling is wrong)."""
     body.check(model_name)
     messages = body.message_dicts()
-    template = {
-        "add_generation_prompt": body.add_generation_prompt,
-        "continue_final_message": body.continue_final_message,
-        "tools": template_tools(body.tools),
-    }
-    ids = await asyncio.to_thread(chat_ids, backend, messages, template)
+    ids = await asyncio.to_thread(chat_ids, backend, messages, body)
     ids = body.truncated(ids, backend.max_model_len)
     bad_words = await _bad_words_token_ids(backend, body)
     structured = await asyncio.to_thread(body.structured_outputs_params)
@@ -105,9 +100,23 @@ async def _bad_words_token_ids(backend: Backend, body: GenerateBody) -> tuple[tu
     return await asyncio.to_thread(valid, lambda: backend.bad_words_token_ids(words))
 
 
+class ChatTemplateOptions(Protocol):
+    """What a body (chat, or /tokenize's messages) tells the chat template besides messages."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    tools: list[Tool] | None
+
+
 def chat_ids(
-    backend: Backend, messages: list[dict[str, Any]], template: dict[str, Any]
+    backend: Backend, messages: list[dict[str, Any]], options: ChatTemplateOptions
 ) -> list[int]:
+    """The messages' token ids through the chat template (ApiError 400 when it refuses)."""
+    template = {
+        "add_generation_prompt": options.add_generation_prompt,
+        "continue_final_message": options.continue_final_message,
+        "tools": template_tools(options.tools),
+    }
     try:
         return valid(lambda: backend.tokenize_chat(messages, **template))
     except jinja2.TemplateError as e:  # templates that raise, e.g. on roles out of order

@@ -27,7 +27,6 @@ from kvmesh.cluster.openai_requests import chat_ids
 from kvmesh.cluster.openapi_doc import json_response, request_body
 from kvmesh.cluster.protocol import DetokenizeRequest, TokenizeRequest
 from kvmesh.cluster.request_parsing import json_body
-from kvmesh.cluster.tool_calls import template_tools
 
 
 def add_tokenize_routes(
@@ -94,9 +93,4 @@ def _tokenize(backend: Backend, body: TokenizeRequest) -> list[int]:
     if body.messages is None:
         assert body.prompt is not None
         return valid(lambda: backend.tokenize(body.prompt))
-    template = {
-        "add_generation_prompt": body.add_generation_prompt,
-        "continue_final_message": body.continue_final_message,
-        "tools": template_tools(body.tools),
-    }
-    return chat_ids(backend, [m.as_dict() for m in body.messages], template)
+    return chat_ids(backend, [m.as_dict() for m in body.messages], body)
