@@ -26,7 +26,7 @@ from kvmesh.cluster.field_schemas import (
     schema,
 )
 from kvmesh.cluster.unsupported_fields import Unsupported
-from kvmesh.workers.sampling_params import SamplingParams
+from kvmesh.workers.sampling_params import SamplingParams, brief_repr
 from kvmesh.workers.structured_output import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -40,7 +40,7 @@ def model_not_found(model: str, model_name: str) -> ApiError:
     """The 404 for a model name other than the one served (OpenAI's code for it)."""
     return ApiError(
         404,
-        f"model: {model!r} does not exist; this server has {model_name!r}",
+        f"model: {brief_repr(model)} does not exist; this server has {model_name!r}",
         param="model",
         code="model_not_found",
     )
@@ -306,10 +306,10 @@ def _token_ids(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float
     out: dict[int, float] = {}
     for key, bias in logit_bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
-            shown = key if len(key) <= 20 else f"{key[:17]}..."
             raise ApiError(
                 400,
-                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {shown!r}",
+                f"logit_bias: keys must be token ids in [0, {vocab_size}), "
+                f"got {brief_repr(key, 20)}",
                 param="logit_bias",
             )
         if int(key) in out:

@@ -1,6 +1,7 @@
 """Errors as the HTTP API answers them: OpenAI's error body, never internals.
 
-A ValueError (also one a Ray task error wraps) is a 400 with the ValueError's own message;
+Where the backend is called, a ValueError (also one a Ray task error wraps) is a 400 with the
+ValueError's own message;
 an overloaded server (our admission, or Ray Serve's ``BackPressureError`` from a worker
 deployment's queue) is a 429 with ``Retry-After``; ``Unavailable`` is a 503 naming its cause;
 anything else is a 500 whose detail goes to the log only, under a reference the message gives.
@@ -52,12 +53,13 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def as_api_error(e: Exception, where: str) -> ApiError:
-    """The answer for ``e`` (see the module docstring); a 500 is logged under its reference."""
+def as_api_error(e: Exception, where: str, *, bad_input: bool = True) -> ApiError:
+    """The answer for ``e`` (see the module docstring); a 500 is logged under its reference.
+    ``bad_input`` False: a ValueError is the server's own fault, a 500 too."""
     if isinstance(e, ApiError):
         return e
     root = root_cause(e)
-    if isinstance(root, ValueError):
+    if bad_input and isinstance(root, ValueError):
         return ApiError.bad_input(root)
     if isinstance(root, BackPressureError):
         # A worker deployment's queue at this ingress is full (Serve's max_queued_requests).
@@ -110,8 +112,13 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     async def unexpected(request: Request, e: Exception) -> Response:
+        # The routes raise ApiError for what they refuse, and the backend's ValueErrors are
+        # converted where it is called (``call_backend``): one that reaches here is the
+        # server's own fault, never the client's (writing a non-finite float into a response
+        # once answered 400, with json.dumps' message).
         assert isinstance(e, Exception)
-        return error_response(as_api_error(e, f"{request.method} {request.url.path}"))
+        where = f"{request.method} {request.url.path}"
+        return error_response(as_api_error(e, where, bad_input=False))
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

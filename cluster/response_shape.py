@@ -23,6 +23,9 @@ from kvmesh.cluster.tool_calls import (
     tools_refusal,
 )
 
+# A logprob of -inf (a token a grammar or allowed_token_ids masks out) is shown as this, as
+# vLLM shows it: JSON has no infinity.
+MIN_LOGPROB = -9999.0
 Entries = Sequence[dict[int, float] | None]  # per token: its logprob and the top N, or None
 
 # Tokens decoded again with each next token to see what text it adds (``_TextOffsets``): more
@@ -201,7 +204,14 @@ class ResponseShape:
         rows = [
             (tok, None, None)
             if entry is None
-            else (tok, entry[tok], sorted(entry.items(), key=lambda kv: -kv[1])[: self.logprobs])
+            else (
+                tok,
+                max(entry[tok], MIN_LOGPROB),
+                [
+                    (t, max(lp, MIN_LOGPROB))
+                    for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[: self.logprobs]
+                ],
+            )
             for tok, entry in zip(token_ids, entries, strict=False)
         ]
         ids = sorted({t for entry in entries if entry for t in entry} | {t for t, _, _ in rows})

@@ -51,7 +51,7 @@ class Tool(Body):
 
 
 class FunctionName(Body):
-    name: str
+    name: str = Field(pattern=NAME_PATTERN)  # a name no tool can have is refused as such
 
 
 class NamedToolChoice(Body):
@@ -73,7 +73,7 @@ ToolChoice = Annotated[
                         "type": {"const": "function"},
                         "function": {
                             "type": "object",
-                            "properties": {"name": {"type": "string"}},
+                            "properties": {"name": {"type": "string", "pattern": NAME_PATTERN}},
                             "required": ["name"],
                         },
                     },

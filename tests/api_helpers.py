@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from kvmesh.cluster.response_models import ErrorResponse
-from tests.openai_helpers import MODEL, USER
+from tests.openai_helpers import MODEL, USER, strict_json
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -39,7 +39,7 @@ def sse_events(port: int, path: str, body: Any) -> tuple[int, list[Any]]:
     text = r.read().decode()
     conn.close()
     if not r.getheader("content-type", "").startswith("text/event-stream"):
-        return r.status, [json.loads(text)]
+        return r.status, [strict_json(text)]
     datas = [ln[len("data: ") :] for ln in text.split("\n") if ln.startswith("data: ")]
     assert datas[-1] == "[DONE]"
-    return r.status, [json.loads(d) for d in datas[:-1]]
+    return r.status, [strict_json(d) for d in datas[:-1]]

@@ -101,8 +101,18 @@ def call(port: int, method: str, path: str, body: Any = None, **headers: str) ->
     text = r.read().decode()
     conn.close()
     with contextlib.suppress(ValueError):
-        return r.status, json.loads(text)
+        return r.status, strict_json(text)
     return r.status, text
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` that fails on NaN and +-Infinity: Python writes and reads them, JSON
+    has none, and a strict client (JavaScript's JSON.parse, Go's) cannot parse the body."""
+
+    def refuse(name: str) -> Any:
+        raise AssertionError(f"not JSON: {name} in {text[:300]!r}")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 def check_kvmesh(kv: dict[str, Any], usage: Any) -> None:

@@ -4,12 +4,15 @@ and a request whose worker was lost too often as a 503 naming the cause."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from kvmesh.cluster.backend import Completion
 from kvmesh.cluster.frontend import WorkerLostError
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
@@ -135,6 +138,28 @@ def test_an_unexpected_error_in_the_api_is_a_plain_500(
         status, got = call(port, "POST", *complete())
     assert status == 500, got
     assert "deadbeef" not in got["error"]["message"]
+    check_error(got["error"], 500, None, None, caplog)
+
+
+class NanLogprobs(Spy):
+    """A worker whose logprobs are NaN (a fault injected on purpose): the response cannot be
+    written as JSON."""
+
+    async def generate(self, request: Any) -> Completion:
+        c = await super().generate(request)
+        nan = [{t: math.nan for t in entry} for entry in c.logprobs or []]
+        return dataclasses.replace(c, logprobs=nan)
+
+
+def test_a_value_error_of_the_api_itself_is_a_500(
+    backend: LocalBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ValueError the API raises itself (here json.dumps' on NaN) is the server's fault:
+    a 500 with a reference, not a 400 blaming the request with json's message."""
+    caplog.set_level(logging.ERROR)
+    with serve(build_api(NanLogprobs(backend), model_name=MODEL)) as port:
+        status, got = call(port, "POST", *chat(max_tokens=2, logprobs=True))
+    assert status == 500, got
     check_error(got["error"], 500, None, None, caplog)
 
 

@@ -96,6 +96,29 @@ def test_out_of_bounds_is_a_400_naming_the_field(server: tuple[int, Spy], case: 
     assert spy.calls == calls  # refused before the backend saw it
 
 
+HUGE = "g" * 100_000
+ECHOES: dict[str, tuple[tuple[str, Any], str, int]] = {
+    "a model name": (chat(model=HUGE), "model", 404),
+    "a logit_bias key": (chat(logit_bias={HUGE: 1}), "logit_bias", 400),
+    "a named tool_choice": (
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": HUGE}},
+        ),
+        "tool_choice.function.name",
+        400,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ECHOES)
+def test_a_huge_value_is_not_echoed_back_whole(server: tuple[int, Spy], case: str) -> None:
+    (path, body), param, code = ECHOES[case]
+    status, got = call(server[0], "POST", path, body)
+    assert_bad(status, got, param, code)
+    assert len(got["error"]["message"]) < 300, len(got["error"]["message"])
+
+
 IN_BOUNDS: dict[str, tuple[str, Any]] = {
     "temperature 2": chat(temperature=2),
     "temperature 1e-300 (samples at 0.01)": chat(temperature=1e-300, seed=1),

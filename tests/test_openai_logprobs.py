@@ -7,8 +7,10 @@ import openai
 import pytest
 
 from kvmesh.cluster.local_backend import LocalBackend
+from kvmesh.cluster.response_shape import MIN_LOGPROB
 from kvmesh.workers.sampling_params import SamplingParams
-from tests.openai_helpers import GREEDY, MODEL, USER
+from tests.api_helpers import CHAT, COMPLETIONS, sse_events
+from tests.openai_helpers import GREEDY, MODEL, USER, Spy
 
 
 def test_chat_logprobs_match_the_engine(client: openai.OpenAI, backend: LocalBackend) -> None:
@@ -148,3 +150,38 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Once upon", max_tokens=0)
     assert e.value.body["param"] == "max_tokens" and "echo" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_logprobs_of_tokens_a_grammar_masks_are_finite(server: tuple[int, Spy], path: str) -> None:
+    """A grammar that leaves one token allowed makes the others' logprobs -inf, which JSON
+    cannot say: they are shown as -9999.0, as vLLM shows them, streamed or not."""
+    body = {"model": MODEL, "max_tokens": 4, "structured_outputs": {"choice": ["a"]}}
+    if path == CHAT:
+        body |= {"messages": USER, "logprobs": True, "top_logprobs": 5}
+    else:
+        body |= {"prompt": "Once upon", "logprobs": 5}
+    for stream in (False, True):
+        status, events = sse_events(server[0], path, body | {"stream": stream})
+        assert status == 200, events
+        logprobs = [
+            c["logprobs"] for e in events for c in e.get("choices", []) if c.get("logprobs")
+        ]
+        if path == CHAT:
+            shown = [
+                v
+                for lp in logprobs
+                for item in lp["content"]
+                for v in [item["logprob"], *(t["logprob"] for t in item["top_logprobs"])]
+            ]
+        else:
+            shown = [
+                v
+                for lp in logprobs
+                for v in [
+                    *lp["token_logprobs"],
+                    *(x for t in lp["top_logprobs"] for x in t.values()),
+                ]
+            ]
+        assert MIN_LOGPROB in shown  # the masked tokens are there, floored
+        assert all(MIN_LOGPROB <= v <= 0 for v in shown), shown

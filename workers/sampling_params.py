@@ -164,7 +164,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}: {why}, got {_show(getattr(self, name))}")
+            return ValueError(f"{name}: {why}, got {brief_repr(getattr(self, name))}")
 
         if not _is_int(self.max_tokens):
             raise bad("max_tokens", "must be an integer")
@@ -309,7 +309,7 @@ def _is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _show(value: object, limit: int = 80) -> str:
+def brief_repr(value: object, limit: int = 80) -> str:
     """``repr`` cut to ``limit`` characters: a message never echoes a huge value back."""
     try:
         text = repr(value)
