@@ -209,7 +209,7 @@ def main() -> None:
                 {
                     "host_cache_memory": args.host_cache_memory,
                     "disk_cache_dir": disk_dir,
-                    "disk_cache_size": args.disk_cache_size or "4GiB",
+                    "disk_cache_size": args.disk_cache_size,
                 }
                 if tiers
                 else {}

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from kvmesh.workers.kv_tiers import check_disk_cache_size
 from kvmesh.workers.memory_size import parse_memory
 
 ROUTERS = ("kv_aware", "round_robin", "least_loaded")
@@ -30,7 +31,7 @@ class ServeConfig:
     # then local disk (a directory on each host; workers on one host take slots of their own).
     host_cache_memory: str = "0"
     disk_cache_dir: str | None = None
-    disk_cache_size: str = "4GiB"  # used only with disk_cache_dir
+    disk_cache_size: str | None = None  # with disk_cache_dir; None: 4GiB
     workers: int | None = None  # unified workers; default 1 when no P/D roles are given
     prefill_workers: int = 0
     decode_workers: int = 0
@@ -167,7 +168,10 @@ class ServeConfig:
             for key, amount in getattr(self, name).items():
                 if not isinstance(key, str) or not _is(amount, float) or not 0 < amount < 1e9:
                     raise bad(name, "must map resource names to positive amounts")
+        check_disk_cache_size(self.disk_cache_size, self.disk_cache_dir)
         for name in ("kv_cache_memory", "host_cache_memory", "disk_cache_size"):
+            if getattr(self, name) is None:  # disk_cache_size: the default
+                continue
             try:
                 parse_memory(getattr(self, name))
             except ValueError as e:

@@ -17,8 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier
 from kvmesh.workers.kv_connector import NoopKvCacheConnector
-from kvmesh.workers.kv_tiers import KvTiers, TierConfig
+from kvmesh.workers.kv_tiers import DEFAULT_DISK_CACHE_SIZE, KvTiers, TierConfig
 from kvmesh.workers.llm import LLM
+from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.tiered_connector import TieredKvConnector
 from tests.kv_harness import KvHarness
 
@@ -182,6 +183,27 @@ def test_tier_settings_are_checked() -> None:
         LLM("tiny-random", num_kv_blocks=8, host_cache_memory="lots")
     with pytest.raises(ValueError, match="disk_cache_size"):
         TierConfig(disk_bytes=100)
+
+
+def test_a_disk_size_without_a_directory_is_refused() -> None:
+    """``--disk-cache-size`` alone used to serve with no disk tier at all, silently; it is
+    refused before anything starts (the CLI and YAML build a ServeConfig, Python an
+    EngineConfig), and a directory alone gets the default size."""
+    import argparse
+
+    from kvmesh.cluster.config import ServeConfig
+    from kvmesh.cluster.serve_flags import add_serve_args, config_from_args
+    from kvmesh.workers.engine_config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    with pytest.raises(ValueError, match=r"^disk_cache_size: needs disk_cache_dir"):
+        config_from_args(p.parse_args(["--disk-cache-size", "1GiB"]))
+    with pytest.raises(ValueError, match=r"^disk_cache_size: needs disk_cache_dir"):
+        EngineConfig(model="tiny-random", disk_cache_size="1GiB")
+    assert ServeConfig(disk_cache_dir="/kv").disk_cache_size is None
+    tiers = EngineConfig(model="tiny-random", disk_cache_dir="/kv").tier_config
+    assert tiers.disk_bytes == parse_memory(DEFAULT_DISK_CACHE_SIZE)
 
 
 # -- a random walk over the pool and the tiers ----------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.workers.kv_tiers import TierConfig
+from kvmesh.workers.kv_tiers import DEFAULT_DISK_CACHE_SIZE, TierConfig, check_disk_cache_size
 from kvmesh.workers.memory_size import parse_memory
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class EngineConfig:
     # (files under disk_cache_dir/<fingerprint id>/, kept across restarts). 0 / None: off.
     host_cache_memory: str | int = 0
     disk_cache_dir: str | None = None
-    disk_cache_size: str | int = "4GiB"  # used only with disk_cache_dir
+    disk_cache_size: str | int | None = None  # with disk_cache_dir; None: the default
     progress: bool = True  # a progress bar while weights load
 
     def __post_init__(self) -> None:
@@ -73,10 +73,14 @@ class EngineConfig:
     @property
     def tier_config(self) -> TierConfig:
         """The tiers' byte budgets (ValueError naming the setting when one is wrong)."""
+        check_disk_cache_size(self.disk_cache_size, self.disk_cache_dir)
         sizes = {}
-        for name in ("host_cache_memory", "disk_cache_size"):
+        for name, value in (
+            ("host_cache_memory", self.host_cache_memory),
+            ("disk_cache_size", self.disk_cache_size or DEFAULT_DISK_CACHE_SIZE),  # 0: default
+        ):
             try:
-                sizes[name] = parse_memory(getattr(self, name))
+                sizes[name] = parse_memory(value)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
         if self.disk_cache_dir is not None and not (

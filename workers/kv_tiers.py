@@ -63,6 +63,18 @@ class TierConfig:
         return bool(self.disk_dir) and self.disk_bytes > 0
 
 
+DEFAULT_DISK_CACHE_SIZE = "4GiB"  # per worker, when disk_cache_dir comes without a size
+
+
+def check_disk_cache_size(size: object, disk_dir: object) -> None:
+    """A disk tier's size without its directory would be ignored: a ValueError instead."""
+    if size is not None and not disk_dir:
+        raise ValueError(
+            "disk_cache_size: needs disk_cache_dir (the directory of the disk tier); "
+            "without one there is no disk tier"
+        )
+
+
 class KvTiers:
     """The host tier (in memory) and the disk tier below it, with the disk's writer thread."""
 
