@@ -46,11 +46,36 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+
+@schemathesis.check
+def strict_json(ctx: Any, response: Any, case: schemathesis.Case) -> None:
+    """The body (each event's data in a stream) is JSON a strict parser reads: no NaN or
+    +-Infinity, which Python's json writes and reads and the schema check lets through."""
+    text = response.content.decode("utf-8", "replace")
+    kind = response.headers.get("content-type", [""])
+    kind = kind[0] if isinstance(kind, list) else kind
+    if kind.startswith("text/event-stream"):
+        docs = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        docs = [d for d in docs if d != "[DONE]"]
+    elif kind.startswith("application/json"):
+        docs = [text]
+    else:
+        return
+
+    for doc in docs:
+        json.loads(doc, parse_constant=_not_json)
+
+
+def _not_json(name: str) -> Any:
+    raise AssertionError(f"not JSON: {name} in the body")
+
+
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
     content_type_conformance,
     response_schema_conformance,
+    strict_json,
 ]
 KEY = "fuzz-key"
 SLOW_FACTOR = 10  # a case unanswered after hang_s gets this many times as long, once
@@ -140,7 +165,7 @@ def _fields(body: Any) -> Any:
 
 
 def _hostile(base_url: str, model: str, auth: dict[str, str], hang_s: float) -> dict[str, Any]:
-    """Named hostile requests and the status each must get."""
+    """Named hostile requests and the status each must get (a 200's body strict JSON)."""
     url = f"{base_url}/v1/completions"
     base = {"model": model, "prompt": "hi", "max_tokens": 4}
     cases: dict[str, tuple[Any, int]] = {
@@ -155,6 +180,8 @@ def _hostile(base_url: str, model: str, auth: dict[str, str], hang_s: float) -> 
         "top_k_1e12": ({**base, "top_k": 10**12}, 400),
         "seed_2_80": ({**base, "seed": 2**80}, 400),
         "not_json": (b"{not json", 400),
+        # A grammar leaving one token: the others' logprobs are -inf, which JSON cannot say.
+        "masked_logprobs": ({**base, "logprobs": 5, "structured_outputs": {"choice": ["a"]}}, 200),
     }
     out: dict[str, Any] = {}
     for name, (body, want) in cases.items():
@@ -162,7 +189,12 @@ def _hostile(base_url: str, model: str, auth: dict[str, str], hang_s: float) -> 
         headers = {**auth, "Content-Type": "application/json"}
         start = time.perf_counter()
         try:
-            status = requests.post(url, data=data, headers=headers, timeout=hang_s).status_code
+            response = requests.post(url, data=data, headers=headers, timeout=hang_s)
+            status = response.status_code
+            if status == 200:
+                json.loads(response.text, parse_constant=_not_json)
+        except AssertionError:
+            status = "not JSON"
         except requests.Timeout:
             status = "hang"
         except requests.ConnectionError:
