@@ -272,4 +272,9 @@ async def _aclose_all(streams: list[AsyncIterator[Any]]) -> None:
 
 
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    """One event. JSON has no NaN or Infinity: a chunk holding one is the server's fault (a
+    500 error event, as a whole response holding one is a 500), never invalid JSON."""
+    try:
+        return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
+    except ValueError as e:
+        raise RuntimeError(f"a stream chunk is not JSON: {e}") from None

@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
-from kvmesh.cluster.backend import Completion
+from kvmesh.cluster.backend import Chunk, Completion
 from kvmesh.cluster.frontend import WorkerLostError
 from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
@@ -141,26 +141,35 @@ def test_an_unexpected_error_in_the_api_is_a_plain_500(
     check_error(got["error"], 500, None, None, caplog)
 
 
+def _nan(entries: list[dict[int, float]] | None) -> list[dict[int, float]]:
+    return [{t: math.nan for t in entry} for entry in entries or []]
+
+
 class NanLogprobs(Spy):
     """A worker whose logprobs are NaN (a fault injected on purpose): the response cannot be
     written as JSON."""
 
     async def generate(self, request: Any) -> Completion:
         c = await super().generate(request)
-        nan = [{t: math.nan for t in entry} for entry in c.logprobs or []]
-        return dataclasses.replace(c, logprobs=nan)
+        return dataclasses.replace(c, logprobs=_nan(c.logprobs))
+
+    async def stream(self, request: Any) -> AsyncIterator[Chunk]:
+        async for chunk in super().stream(request):
+            yield dataclasses.replace(chunk, logprobs=_nan(chunk.logprobs))
 
 
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_value_error_of_the_api_itself_is_a_500(
-    backend: LocalBackend, caplog: pytest.LogCaptureFixture
+    backend: LocalBackend, caplog: pytest.LogCaptureFixture, stream: bool
 ) -> None:
     """A ValueError the API raises itself (here json.dumps' on NaN) is the server's fault:
-    a 500 with a reference, not a 400 blaming the request with json's message."""
+    a 500 with a reference (an error event in a stream), not a 400 blaming the request with
+    json's message, and never NaN written into a stream."""
     caplog.set_level(logging.ERROR)
     with serve(build_api(NanLogprobs(backend), model_name=MODEL)) as port:
-        status, got = call(port, "POST", *chat(max_tokens=2, logprobs=True))
-    assert status == 500, got
-    check_error(got["error"], 500, None, None, caplog)
+        status, events = sse_events(port, CHAT, chat(max_tokens=2, logprobs=True, stream=stream)[1])
+    assert status == (200 if stream else 500), events
+    check_error(events[-1]["error"], 500, None, None, caplog)
 
 
 def test_fastapi_validation_errors_are_openai_400s(backend: LocalBackend) -> None:
