@@ -23,7 +23,7 @@ from kvmesh.cluster.tool_calls import (
     tools_refusal,
 )
 
-# A logprob of -inf (a token a grammar or allowed_token_ids masks out) is shown as this, as
+# A logprob of -inf (a token a structured output's grammar masks out) is shown as this, as
 # vLLM shows it: JSON has no infinity.
 MIN_LOGPROB = -9999.0
 Entries = Sequence[dict[int, float] | None]  # per token: its logprob and the top N, or None

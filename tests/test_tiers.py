@@ -202,6 +202,10 @@ def test_a_disk_size_without_a_directory_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^disk_cache_size: needs disk_cache_dir"):
         EngineConfig(model="tiny-random", disk_cache_size="1GiB")
     assert ServeConfig(disk_cache_dir="/kv").disk_cache_size is None
+    assert not EngineConfig(model="tiny-random", disk_cache_size=0).tier_config.disk_on
+    assert not EngineConfig(
+        model="tiny-random", disk_cache_dir="/kv", disk_cache_size=0
+    ).tier_config.disk_on
     tiers = EngineConfig(model="tiny-random", disk_cache_dir="/kv").tier_config
     assert tiers.disk_bytes == parse_memory(DEFAULT_DISK_CACHE_SIZE)
 

@@ -77,7 +77,10 @@ class EngineConfig:
         sizes = {}
         for name, value in (
             ("host_cache_memory", self.host_cache_memory),
-            ("disk_cache_size", self.disk_cache_size or DEFAULT_DISK_CACHE_SIZE),  # 0: default
+            (
+                "disk_cache_size",
+                DEFAULT_DISK_CACHE_SIZE if self.disk_cache_size is None else self.disk_cache_size,
+            ),
         ):
             try:
                 sizes[name] = parse_memory(value)

@@ -67,8 +67,9 @@ DEFAULT_DISK_CACHE_SIZE = "4GiB"  # per worker, when disk_cache_dir comes withou
 
 
 def check_disk_cache_size(size: object, disk_dir: object) -> None:
-    """A disk tier's size without its directory would be ignored: a ValueError instead."""
-    if size is not None and not disk_dir:
+    """A disk tier's size without its directory would be ignored: a ValueError instead (a
+    size of 0, the tier off, is no contradiction)."""
+    if size not in (None, 0, "0") and not disk_dir:
         raise ValueError(
             "disk_cache_size: needs disk_cache_dir (the directory of the disk tier); "
             "without one there is no disk tier"
