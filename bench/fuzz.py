@@ -27,11 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -46,9 +48,12 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.openai_helpers import strict_json
+
 
 @schemathesis.check
-def strict_json(ctx: Any, response: Any, case: schemathesis.Case) -> None:
+def strict_json_body(ctx: Any, response: Any, case: schemathesis.Case) -> None:
     """The body (each event's data in a stream) is JSON a strict parser reads: no NaN or
     +-Infinity, which Python's json writes and reads and the schema check lets through."""
     text = response.content.decode("utf-8", "replace")
@@ -63,11 +68,7 @@ def strict_json(ctx: Any, response: Any, case: schemathesis.Case) -> None:
         return
 
     for doc in docs:
-        json.loads(doc, parse_constant=_not_json)
-
-
-def _not_json(name: str) -> Any:
-    raise AssertionError(f"not JSON: {name} in the body")
+        strict_json(doc)
 
 
 CHECKS = [
@@ -75,7 +76,7 @@ CHECKS = [
     status_code_conformance,
     content_type_conformance,
     response_schema_conformance,
-    strict_json,
+    strict_json_body,
 ]
 KEY = "fuzz-key"
 SLOW_FACTOR = 10  # a case unanswered after hang_s gets this many times as long, once
@@ -192,7 +193,7 @@ def _hostile(base_url: str, model: str, auth: dict[str, str], hang_s: float) -> 
             response = requests.post(url, data=data, headers=headers, timeout=hang_s)
             status = response.status_code
             if status == 200:
-                json.loads(response.text, parse_constant=_not_json)
+                strict_json(response.text)
         except AssertionError:
             status = "not JSON"
         except requests.Timeout:
