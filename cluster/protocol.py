@@ -57,7 +57,9 @@ class ChatMessage(Body):
         None, description="An assistant's earlier calls: they go to the chat template."
     )
     tool_call_id: str | None = Field(
-        None, description="A tool's message: the call it answers (to the chat template)."
+        None,
+        description="Required in a tool's message, absent in others: the call it answers "
+        "(to the chat template).",
     )
 
     def as_dict(self) -> dict[str, Any]:

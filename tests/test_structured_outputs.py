@@ -251,6 +251,23 @@ def test_a_hostile_constraint_is_refused_before_it_runs(llm: LLM, server) -> Non
     assert_bad(status, body, "structured_outputs")
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
+        {"grammar": "start: x\nx: x"},
+    ],
+)
+def test_a_constraint_no_text_can_meet_is_refused_in_words(llm: LLM, spec: dict) -> None:
+    """A grammar that matches nothing (a schema that only refers to itself) is refused when
+    the matcher is made, and the message says why in words, not as llguidance's stop reason
+    ("NoExtensionBias")."""
+    with pytest.raises(ValueError) as e:
+        llm.engine.add_request("Hello", SamplingParams(structured_outputs=spec))
+    assert str(e.value) == f"structured_outputs: {next(iter(spec))}: no text can match it"
+    assert not llm.engine.has_unfinished()
+
+
 def test_the_engine_does_not_load_torch_compile() -> None:
     """``llguidance.torch`` runs ``torch.compile`` when imported: dynamo and inductor, 2.1 s of
     every process that imports the engine (each worker; make test took minutes longer). The

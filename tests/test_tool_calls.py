@@ -362,6 +362,14 @@ def test_earlier_calls_and_their_results_go_to_the_template(server, client) -> N
             },
             "messages[0].tool_calls",
         ),
+        (  # a tool's answer must say which call it answers (OpenAI: a 400)
+            {"messages": [*USER, {"role": "tool", "content": "done"}], "tool_choice": "none"},
+            "messages[1].tool_call_id",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]},
+            "messages[0].tool_call_id",
+        ),
     ],
 )
 def test_refused_before_anything_runs(server: tuple[int, Spy], fields: dict, param: str) -> None:

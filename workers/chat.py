@@ -70,6 +70,11 @@ def _template_message(i: int, m: Any) -> dict[str, Any]:
         raise ValueError(f"messages[{i}].role: must be one of {', '.join(ROLES)}")
     if calls and role != "assistant":
         raise ValueError(f"messages[{i}].tool_calls: only an assistant's message has them")
+    call_id = m.get("tool_call_id")
+    if role == "tool" and not (isinstance(call_id, str) and call_id):
+        raise ValueError(f"messages[{i}].tool_call_id: a tool's message names the call it answers")
+    if call_id is not None and role != "tool":
+        raise ValueError(f"messages[{i}].tool_call_id: only a tool's message has one")
     if content is None and calls:
         content = ""  # an assistant's turn that only called tools (templates expect a string)
     if not isinstance(content, str):
@@ -77,8 +82,8 @@ def _template_message(i: int, m: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": content}
     if calls:
         out["tool_calls"] = [_template_call(c) for c in calls]
-    if m.get("tool_call_id") is not None:
-        out["tool_call_id"] = m["tool_call_id"]
+    if call_id is not None:
+        out["tool_call_id"] = call_id
     return out
 
 

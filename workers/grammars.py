@@ -68,6 +68,7 @@ class Grammars:
                 probe.consume_token(int(allowed[0]))
         if probe.is_error():
             error = brief(probe.get_error())
+            error = _STOP_REASONS.get(error, error)
             raise ValueError(f"structured_outputs: {params.kind}: {error}")
         return m
 
@@ -83,6 +84,16 @@ class Grammars:
         # the constrained rows' copies took ~0.5 ms.
         refused_t = torch.from_numpy(refused).to(logits.device)
         return torch.where(refused_t, torch.tensor(-np.inf, device=logits.device), logits)
+
+
+# llguidance states some errors as its parser's stop reason alone: these in words.
+_STOP_REASONS = {
+    "NoExtension": "no text can match it",
+    "NoExtensionBias": "no text can match it",
+    "ParserTooComplex": "too complex (over the parser's limits)",
+    "LexerTooComplex": "too complex (over the lexer's limits)",
+    "InternalError": "the grammar engine failed on it",
+}
 
 
 def _bitmask(matchers: Sequence[Any], vocab: int) -> np.ndarray:
