@@ -9,7 +9,12 @@ travels to the worker as the request's ``Plan``, and the prompt is recorded in t
 pending entry, so every ingress replica (each has its own router) sees what is being
 computed where.
 
-If the index is down, routing falls back to load only; nothing fails because of it.
+If the index is down, routing falls back to load only; nothing fails because of it. A call
+that fails or times out (a dead index fails at once; a hung one, say a stopped process, only
+after ``INDEX_TIMEOUT_S``) marks the index down: requests then route by load without asking
+it, while one probe at a time, in the background, asks it again every ``INDEX_RETRY_S`` and
+marks it up when it answers. So a hung index costs one request one timeout, not every
+request one each (they are decided one at a time).
 ``RoundRobinRequestRouter`` is the baseline; ``least_loaded`` is Serve's own power-of-two
 router.
 """
@@ -19,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -34,7 +38,7 @@ logger = logging.getLogger(__name__)
 PENDING_TTL_S = 30.0  # a pending entry outlives a lost drop call by at most this long
 INDEX_TIMEOUT_S = 2.0
 MAX_RACES = 3  # fresh decisions after racing another router, before deciding without a claim
-INDEX_RETRY_S = 1.0  # after an index failure, route by load alone this long
+INDEX_RETRY_S = 1.0  # while the index is down, the probe asks it this often
 
 
 class KvAwareRequestRouter(RequestRouter):
@@ -48,7 +52,8 @@ class KvAwareRequestRouter(RequestRouter):
         self.router = Router("kv_aware", block_size, connector)
         self.fingerprint: str | None = None  # the index's; the first request brings it
         self._index: Any = None
-        self._index_down_until = 0.0
+        self._index_down = False  # a call failed; the probe has not had an answer since
+        self._probe: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
     async def choose_replicas(
@@ -141,12 +146,13 @@ class KvAwareRequestRouter(RequestRouter):
         return views
 
     async def _index_call(self, method: str, *args: Any) -> Any:
-        """One index call; None when the index is unreachable (then routing uses load only,
-        and the index is looked up by name again after ``INDEX_RETRY_S``)."""
+        """One index call; None while the index is down or when the call fails (then routing
+        uses load only until the probe hears from the index again)."""
         if not self.router.connector or self.fingerprint is None:
             return None
-        now = time.monotonic()
-        if now < self._index_down_until:
+        if self._index_down:
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.create_task(self._probe_index())
             return None
         try:
             if self._index is None:
@@ -154,10 +160,23 @@ class KvAwareRequestRouter(RequestRouter):
             ref = getattr(self._index, method).remote(*args)
             return await asyncio.wait_for(ref, INDEX_TIMEOUT_S)
         except Exception as e:
-            logger.warning("index %s failed (%s); routing by load for now", method, e)
-            self._index = None  # a new or restarted index is found by name next time
-            self._index_down_until = now + INDEX_RETRY_S
+            logger.warning("index %s failed (%r); routing by load for now", method, e)
+            self._index = None  # a new or restarted index is found by name again
+            self._index_down = True
             return None
+
+    async def _probe_index(self) -> None:
+        """Ask the index (found by name: a new one if it died) until it answers, every
+        ``INDEX_RETRY_S``; then it is up again. No request waits on this."""
+        while self._index_down:
+            await asyncio.sleep(INDEX_RETRY_S)
+            try:
+                index = get_index_actor(self.fingerprint)
+                await asyncio.wait_for(index.incarnation.remote(), INDEX_TIMEOUT_S)
+            except Exception:
+                continue
+            self._index, self._index_down = index, False
+            logger.info("index answers again; routing by its view")
 
 
 class RoundRobinRequestRouter(RequestRouter):

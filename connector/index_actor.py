@@ -5,7 +5,9 @@ of life (register, heartbeat, or a batch of its own) is older than ``heartbeat_t
 when the Ray actor handle it registered with has died. A background thread checks both; the
 actor is threaded (``max_concurrency``), so lookups and batches are served meanwhile, and one
 lock serialises every touch of the KvIndex (``wait_stored`` waits on a Condition over that
-same lock, woken by every change).
+same lock, woken by every change). Time the actor itself did not run (a stopped or starved
+process) is not its workers' silence: the check credits it back, so an index resumed after a
+long pause does not purge every worker at once.
 
 Incarnation: the actor is a hint, and may die. ``get_index_actor`` creates it restartable
 (``max_restarts=-1``): a crash restarts it empty under the same name, and after a kill for
@@ -275,12 +277,27 @@ class KvIndexActor:
         return purged
 
     def _liveness_loop(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            paused, last = now - last - self._interval, now
             try:
+                if paused > self._interval:
+                    self._excuse(paused, now)
                 self._purge_stale()
                 self._ping_handles()
             except Exception:  # the check must outlive any one bad round
                 logger.exception("kvmesh index liveness check failed")
+
+    def _excuse(self, paused: float, now: float) -> None:
+        """This process did not run for ``paused`` seconds (stopped, swapped out, starved):
+        the workers could not be heard meanwhile, so that time does not count as their
+        silence (without this, an index resumed after a pause longer than the timeout purged
+        every worker at once)."""
+        with self._lock:
+            for worker_id, seen in self._last_seen.items():
+                self._last_seen[worker_id] = min(now, seen + paused)
+        logger.warning("kvmesh index did not run for %.1f s; its workers are not blamed", paused)
 
     def _purge_stale(self) -> None:
         if self._timeout is None:

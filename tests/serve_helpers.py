@@ -91,6 +91,12 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def served_fingerprint() -> str:
+    """The served model's fingerprint (it names the index actor), from a worker replica."""
+    workers = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", APP_NAME)
+    return workers.worker_info.remote().result()["fingerprint"]
+
+
 def busy_worker(handle: Any) -> str | None:
     """The worker with a running request, from the app's stats (None if none yet)."""
     workers = handle.stats.remote().result()["workers"]

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 import openai
 import pytest
 import ray
-from ray import serve
 
 from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
 from kvmesh.connector.index_actor import get_index_actor
@@ -30,6 +29,7 @@ from tests.serve_helpers import (
     redeploy,
     replica_log,
     running_replicas,
+    served_fingerprint,
     tiny_config,
     undeploy,
     wait_for,
@@ -186,7 +186,7 @@ def test_a_hung_engine_is_killed_and_its_stream_moves(app) -> None:
     def stop_the_engine() -> tuple[str, int, float]:
         """SIGSTOP the engine process of the worker that runs the stream: (worker, pid, when)."""
         worker = wait_for(lambda: busy_worker(app), 10, "the busy worker")
-        engines = ray.get(get_index_actor(_fingerprint()).workers.remote())
+        engines = ray.get(get_index_actor(served_fingerprint()).workers.remote())
         pid = ray.get(engines[worker]["handle"].__ray_call__.remote(lambda _: os.getpid()))
         os.kill(pid, signal.SIGSTOP)
         return worker, pid, time.monotonic()
@@ -203,14 +203,8 @@ def test_a_hung_engine_is_killed_and_its_stream_moves(app) -> None:
     _healed(app)
 
 
-def _fingerprint() -> str:
-    """The served model's fingerprint (it names the index actor), from a worker replica."""
-    workers = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", APP_NAME)
-    return workers.worker_info.remote().result()["fingerprint"]
-
-
 def test_index_killed_under_load_fails_no_request(app) -> None:
-    fingerprint = _fingerprint()
+    fingerprint = served_fingerprint()
     bodies = [
         {"prompt": [*PROMPT, i], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
         for i in range(12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -143,6 +145,28 @@ def test_worker_that_stops_heartbeating_is_purged(fingerprint: str) -> None:
         time.sleep(0.1)
     assert set(ray.get(index.workers.remote())) == {"steady"}
     assert not ray.get(index.heartbeat.remote("silent", silent))  # told to re-register
+    assert ray.get(index.stats.remote())["purged_stale"] == 1
+    ray.kill(index)
+
+
+def test_a_paused_index_does_not_blame_its_workers(fingerprint: str) -> None:
+    """The index's process stopped (SIGSTOP) for longer than the heartbeat timeout, while its
+    workers could not reach it: once it runs again it keeps them (the pause was its own),
+    and still purges a worker that stays silent after it."""
+    index = get_index_actor(fingerprint, heartbeat_timeout_s=1.0, check_interval_s=0.1)
+    pid = ray.get(index.__ray_call__.remote(lambda _self: os.getpid()))
+    _, token = ray.get(index.register.remote("steady", fingerprint))
+    ray.get(index.register.remote("silent", fingerprint))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    start = time.monotonic()
+    while time.monotonic() - start < 2.0:  # `steady` beats again, `silent` does not
+        assert ray.get(index.heartbeat.remote("steady", token)), "steady was purged"
+        time.sleep(0.1)
+    assert set(ray.get(index.workers.remote())) == {"steady"}
     assert ray.get(index.stats.remote())["purged_stale"] == 1
     ray.kill(index)
 

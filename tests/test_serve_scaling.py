@@ -4,18 +4,32 @@ autoscale, and a wedged worker fails its health check. Real Ray Serve, tiny-rand
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import threading
 import time
 
 import pytest
+import ray
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.cluster.request_router import INDEX_TIMEOUT_S
+from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.worker import Worker
 from tests.ray_fixtures import ray_session  # noqa: F401
-from tests.serve_helpers import redeploy, running_replicas, tiny_config, undeploy, wait_for
+from tests.serve_helpers import (
+    redeploy,
+    replica_log,
+    running_replicas,
+    served_fingerprint,
+    tiny_config,
+    undeploy,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
+BACK = "index answers again"  # the router's log line when its probe hears from the index
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +90,39 @@ def test_kv_aware_burst_computes_a_shared_prefix_once(reference) -> None:
         )
         assert index["pending_confirmed"] <= index["pending_added"]
         assert index["unauthorized"] == refused_before
+    finally:
+        undeploy()
+
+
+def test_a_hung_index_delays_one_request_not_each() -> None:
+    """The index's process stopped (alive, silent): the kv_aware router waits for it once
+    (INDEX_TIMEOUT_S), then routes by load while a probe in the background waits for it, so
+    the requests meanwhile are as fast as ever; once it runs again, routing uses it again."""
+    handle = redeploy(tiny_config(workers=2, router="kv_aware"))
+    try:
+        index = get_index_actor(served_fingerprint())
+        pid = ray.get(index.__ray_call__.remote(lambda _self: os.getpid()))
+        body = {"prompt": list(range(40, 90)), "max_tokens": 2, "temperature": 0}
+        handle.generate.remote(body).result()
+        seconds = []
+        back_before = replica_log("KvmeshServer").count(BACK)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + 3 * INDEX_TIMEOUT_S
+            while time.monotonic() < end:
+                start = time.monotonic()
+                handle.generate.remote(body).result(timeout_s=30)
+                seconds.append(time.monotonic() - start)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        slow = [s for s in seconds if s > INDEX_TIMEOUT_S / 2]
+        assert len(slow) == 1 and len(seconds) >= 10, seconds
+        # Back: the probe heard from it, and routing asks it again.
+        wait_for(
+            lambda: replica_log("KvmeshServer").count(BACK) > back_before,
+            10,
+            "the router to use the index again",
+        )
     finally:
         undeploy()
 
