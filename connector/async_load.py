@@ -210,6 +210,8 @@ class PullLoader:
         """The index's deepest holder of ``hashes`` (not ``exclude``; its pool and host tier
         count; among equals one on our node, :func:`nearest_holder`) and what we may pull
         from it; (None, 0) when none, or the index fails. Never raises."""
+        if self._index_down():  # lookups queued before it went down: not one wait each
+            return None, 0
         self.count("index_lookups")
         try:
             depths = self._index_call("pull_depths", hashes, self.worker_id) or {}

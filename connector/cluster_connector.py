@@ -17,8 +17,12 @@ restarting index makes the connector re-resolve the named actor (``get_index_act
 creates a new one when the old one was killed for good; at most every ``RESOLVE_INTERVAL_S``)
 and marks it "must rejoin"; the publisher thread then registers again and sends a full
 snapshot, as it does when a heartbeat shows another incarnation or an unknown worker. Until
-then lookups answer 0 and flushes return at once. No index failure escapes a connector method:
-raised out of a worker actor's call, a RayActorError would read as the *worker* having died.
+then lookups answer 0 and flushes return at once. A call that times out (a hung index: a stopped
+or starved process) marks it unresponsive instead: lookups answer 0 at once, and the first
+call that is answered again (the publisher thread keeps trying) clears it, so a hung index
+costs one lookup one timeout, not every lookup one each. No index failure escapes a
+connector method: raised out of a worker actor's call, a RayActorError would read as the
+*worker* having died.
 
 ``register`` hands back a secret token with the incarnation; the connector keeps it and sends
 it with every call about itself (batches, snapshots, heartbeats, deregistration, its next
@@ -76,6 +80,7 @@ class ClusterKvConnector(KvCacheConnector):
         self._incarnation: str | None = None  # of the index we registered with
         self._token: str | None = None  # our secret with that index (register returns it)
         self._must_rejoin = False  # the index died or forgot us: register again, snapshot
+        self._unresponsive = False  # a call timed out, and none was answered since
         self._losses = 0  # index failures that call for a rejoin, ever
         self._next_rejoin = 0.0
         self._warned_at = -WARN_INTERVAL_S
@@ -110,7 +115,7 @@ class ClusterKvConnector(KvCacheConnector):
             config,
             self.transport,
             self._call,
-            lambda: self._must_rejoin,
+            lambda: self._must_rejoin or self._unresponsive,
             self.stats,
             node=self._node,
         )
@@ -156,7 +161,9 @@ class ClusterKvConnector(KvCacheConnector):
         index = self.index
         try:
             ref = getattr(index, method).remote(*args)
-            return ray.get(ref, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
+            answer = ray.get(ref, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
+            self._unresponsive = False
+            return answer
         except RayActorError as e:  # killed, crashed, or restarting (ActorUnavailableError)
             self._index_lost(index)
             raise IndexUnavailable(f"index {method}: {type(e).__name__}: {e}") from e
@@ -164,6 +171,7 @@ class ClusterKvConnector(KvCacheConnector):
             self._note_loss()
             raise IndexUnavailable(f"index {method} raised: {e}") from e
         except (GetTimeoutError, TransferError) as e:
+            self._unresponsive = True
             raise IndexUnavailable(f"index {method} timed out") from e
 
     def _note_loss(self) -> None:

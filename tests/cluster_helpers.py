@@ -24,9 +24,11 @@ def start_workers(
     connector: bool = True,
     block_size: int = 4,
     num_kv_blocks: int | None = 64,
+    timeout_s: float = 10.0,
     **engine_kw: Any,
 ) -> list[Any]:
-    """``n`` worker actors sharing one index (same model and cache layout), all ready."""
+    """``n`` worker actors sharing one index (same model and cache layout), all ready;
+    ``timeout_s``: their connectors' (index calls, pins, transfers)."""
     cfg = EngineConfig(
         model=model,
         block_size=block_size,
@@ -34,7 +36,7 @@ def start_workers(
         progress=False,
         **engine_kw,
     )
-    conn = ClusterConnectorConfig(transport=transport, timeout_s=10.0) if connector else None
+    conn = ClusterConnectorConfig(transport=transport, timeout_s=timeout_s) if connector else None
     cls = worker_actor_class(num_gpus=0, num_cpus=0)
     handles = [
         cls.remote(f"w{next(_names)}-{transport}", cfg, conn, num_threads=1) for _ in range(n)

@@ -8,7 +8,9 @@ pulls the blocks again once the index is back.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -112,6 +114,34 @@ def test_killed_index_is_replaced_and_workers_rejoin() -> None:
         for w in (a, b):
             stats = ray.get(w.connector_stats.remote())
             assert stats["rejoins"] >= 1 and stats["index_errors"] >= 1
+    finally:
+        stop_workers([a, b])
+
+
+def test_a_hung_index_stalls_one_lookup_not_each() -> None:
+    """The index's process stopped (alive, silent): the first lookup that asks it waits the
+    connector's timeout; from then on lookups answer 0 at once (the worker computes) until a
+    call of the publisher thread is answered again, and then peers pull through it again."""
+    a, b = start_workers(2, timeout_s=2.0)
+    try:
+        fp = info(a)["fingerprint"]
+        pid = ray.get(get_index_actor(fp).__ray_call__.remote(lambda _index: os.getpid()))
+        seconds = []
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for seed in range(6):  # prompts no one holds: each one's lookup asks the index
+                start = time.monotonic()
+                out = ray.get(b.generate.remote(prompt(300 + seed, 41), GREEDY), timeout=60)
+                seconds.append(time.monotonic() - start)
+                assert out.metrics.num_pulled_tokens == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert sum(s > 1.0 for s in seconds) <= 1, seconds
+        ids, _ = setup_blocks([a, b], seed=23)
+        hashes = block_hashes(ids, BS, info(a)["namespace"])[: (len(ids) - 1) // BS]
+        seconds_until(lambda: ray.get(b.peer_blocks.remote(hashes)) > 0, REJOIN_S)
+        out = ray.get(b.generate.remote(ids, GREEDY), timeout=60)
+        assert out.metrics.num_pulled_tokens == len(hashes) * BS
     finally:
         stop_workers([a, b])
 
