@@ -18,6 +18,9 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
 - ``worker_hung``: a busy worker's engine process stopped (SIGSTOP) under load: its replica
   kills it after two silent health checks, its requests move; seconds until the index drops it.
 - ``index_killed``: the index actor killed under load; seconds until every worker rejoined.
+- ``index_hung``: the index actor's process stopped (SIGSTOP) for 20 s under a closed loop of
+  short requests: the slowest request before, during and after the hang, and whether the
+  index, let go, purged any worker for the silence it could not hear.
 - ``client_disconnects``: long streams closed by their clients; seconds until the workers
   stopped them, blocks not freed.
 - ``soak``: mixed load for ``--soak-s`` with a worker replica or the index killed every
@@ -57,7 +60,8 @@ from chaos_driver import summary  # noqa: E402
 from tests.two_hosts import TwoHosts, kvmesh_serve  # noqa: E402
 
 TWO_HOST = ("pull_1gbit", "pull_10gbit", "slow_link", "worker_killed", "worker_hung",
-            "index_killed", "client_disconnects", "soak", "host_lost", "link_cut")  # fmt: skip
+            "index_killed", "index_hung", "client_disconnects", "soak", "host_lost",
+            "link_cut")  # fmt: skip
 # host_lost, link_cut: the fault this long after the load starts, full and --quick (the
 # load lasts about 40 s, and 8 s with --quick).
 FAULT_AFTER_S = {False: 10.0, True: 2.0}
@@ -242,6 +246,9 @@ def two_host_rows(
             for s in ("worker_killed", "worker_hung", "index_killed"):
                 if s in only:
                     emit(driver(hosts, s, "tiny-random", base_url=url, n=n, max_tokens=tokens))
+            if "index_hung" in only:
+                emit(driver(hosts, "index_hung", "tiny-random", base_url=url,
+                            hang_s=5.0 if quick else 20.0, max_tokens=16))  # fmt: skip
             if "client_disconnects" in only:
                 emit(driver(hosts, "client_disconnects", "tiny-random", base_url=url,
                             streams=10, max_tokens=2000))  # fmt: skip

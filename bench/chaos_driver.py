@@ -31,7 +31,7 @@ from kvmesh.cluster.serve_app import APP_NAME
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
 from tests.serve_helpers import kill_worker, process_alive
 from tests.two_hosts import rate_bits
-from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
+from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, streamed, traffic
 from tests.two_hosts_client import reference as no_fault_outputs
 
 SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
@@ -212,6 +212,67 @@ def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
     return summary("index_killed", ref, run, workers_rejoined_s=done.get("rejoined_s"))
 
 
+def index_hung(base_url: str, hang_s: float, max_tokens: int, clients: int = 4) -> dict[str, Any]:
+    """The index actor's process stopped (SIGSTOP: alive and silent, where a kill fails
+    calls at once) for ``hang_s`` under a steady closed loop of short requests, then let go.
+    Only the requests that asked it before a first call timed out may wait (the router's
+    2 s, a worker lookup's ``timeout_s``); the rest route by load and compute. Figures: each
+    phase's requests and slowest, the index's stale purges meanwhile (its own pause is not
+    its workers' silence), and seconds until the router used it again."""
+    n = 600  # more than the loop sends in hang_s + 10 s here
+    ref = reference(n, max_tokens, salt=5)
+    prompts = texts(n, salt=5)
+    index = _index()
+    pid = ray.get(index.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    purged_before = ray.get(index.stats.remote(), timeout=30)["purged_stale"]
+    workers_before = set(ray.get(index.workers.remote(), timeout=30))
+    timed: list[tuple[float, float, dict[str, Any]]] = []  # (start, seconds, result)
+    lock = threading.Lock()
+    sent = iter(range(n))
+    start = time.monotonic()
+    hang = (start + 3.0, start + 3.0 + hang_s)
+    end = hang[1] + 7.0
+
+    def client() -> None:
+        while time.monotonic() < end:
+            with lock:
+                i = next(sent, None)
+            if i is None:
+                return
+            t = time.monotonic()
+            out = complete(base_url, prompts[i], max_tokens, streamed(i))
+            with lock:
+                timed.append((t, time.monotonic() - t, {**out, "i": i}))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(max(0.0, hang[0] - time.monotonic()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(max(0.0, hang[1] - time.monotonic()))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for t in threads:
+        t.join()
+    timed.sort(key=lambda x: x[2]["i"])
+    results = [r for _, _, r in timed]
+    run = {"results": results, "seconds": round(time.monotonic() - start, 3)}
+    ref = {"results": [ref["results"][r["i"]] for r in results]}
+
+    def phase(lo: float, hi: float) -> dict[str, Any]:
+        took = [secs for t, secs, _ in timed if lo <= t < hi]
+        return {"requests": len(took), "max_s": round(max(took, default=0.0), 2)}
+
+    stats_after = ray.get(index.stats.remote(), timeout=30)
+    return summary(
+        "index_hung", ref, run, hang_s=hang_s,
+        before=phase(start, hang[0]), during=phase(*hang), after=phase(hang[1], end),
+        purged_during_hang=stats_after["purged_stale"] - purged_before,
+        workers_kept=workers_before <= set(ray.get(index.workers.remote(), timeout=30)),
+    )  # fmt: skip
+
+
 def client_disconnects(base_url: str, streams: int, max_tokens: int) -> dict[str, Any]:
     """``streams`` long streams, each closed by its client after a few chunks: the workers
     must stop them and free their blocks."""
@@ -360,6 +421,7 @@ SCENARIOS = {
     "worker_killed": worker_killed,
     "worker_hung": worker_hung,
     "index_killed": index_killed,
+    "index_hung": index_hung,
     "client_disconnects": client_disconnects,
     "traffic": traffic_only,
     "reference": reference,
