@@ -385,15 +385,28 @@ def _backpressure(config: ServeConfig) -> BackpressureConfig:
     return BackpressureConfig(status_code=OVERLOADED_STATUS, retry_after_s=config.retry_after_s)
 
 
+# Serve's controller checks each HTTP proxy this often (Serve's default: 10 s) and replaces
+# one after 3 failed checks in a row: a killed proxy refused connections for ~27 s, ~7 s at
+# 2 s (BENCHMARKS.md, Failover). A check is one cheap actor call.
+PROXY_HEALTH_ENV = "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"
+PROXY_HEALTH_CHECK_PERIOD_S = "2"
+
+
+def controller_env() -> dict[str, str]:
+    """Serve's controller's settings kvmesh starts it with, besides the front door's; an
+    operator's own value in this process's environment wins."""
+    return {PROXY_HEALTH_ENV: os.environ.get(PROXY_HEALTH_ENV, PROXY_HEALTH_CHECK_PERIOD_S)}
+
+
 def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.DeploymentHandle:
     """Run the app on the connected Ray cluster (HTTP on config.host:config.port) and return
     its handle. Call ``ray.init`` first, or this joins/starts one as Serve does. Serve, when
     this starts it, gets kvmesh's front door in its proxies (``front_door.py``)."""
-    env = front_door.controller_env()
+    door = front_door.controller_env()
     serve.start(
         http_options={"host": config.host, "port": config.port},
-        controller_options={"runtime_env": {"env_vars": env}} if env else None,
+        controller_options={"runtime_env": {"env_vars": {**controller_env(), **door}}},
     )
-    if env:
+    if door:
         front_door.warn_if_missing()
     return serve.run(build_app(config.to_dict(), owner), name=APP_NAME, route_prefix="/")

@@ -56,12 +56,15 @@ def pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
 
 def serve_apps(rayservice: dict[str, Any]) -> tuple[ServeDeploySchema, list[ServeConfig]]:
     """The RayService's Serve config and its apps' ServeConfigs; the Serve controller's
-    environment installs kvmesh's front door in the proxies, as ``serve_app.deploy`` does."""
+    environment installs kvmesh's front door in the proxies and checks them as often, as
+    ``serve_app.deploy`` does."""
     from kvmesh.cluster.front_door import CALLBACK, CALLBACK_ENV
+    from kvmesh.cluster.serve_app import PROXY_HEALTH_CHECK_PERIOD_S, PROXY_HEALTH_ENV
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
     assert schema.controller_options is not None
-    assert schema.controller_options.runtime_env == {"env_vars": {CALLBACK_ENV: CALLBACK}}
+    env = {CALLBACK_ENV: CALLBACK, PROXY_HEALTH_ENV: PROXY_HEALTH_CHECK_PERIOD_S}
+    assert schema.controller_options.runtime_env == {"env_vars": env}
     return schema, [ServeConfig.from_dict(app.args) for app in schema.applications]
 
 

@@ -23,6 +23,7 @@ from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview
 
 from kvmesh.cluster.launch import RETRYING, refused_start
+from kvmesh.cluster.serve_app import PROXY_HEALTH_CHECK_PERIOD_S
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,18 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
         assert chat.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong").models.list()
+        # Serve's HTTP proxy killed: Serve replaces it once its health check has failed 3
+        # times; kvmesh starts Serve checking every PROXY_HEALTH_CHECK_PERIOD_S, not Serve's
+        # 10 s (connections refused for ~27 s here before, ~7 s now).
+        proxy = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "ray::ProxyActor" in cmdline(p)]  # fmt: skip
+        assert len(proxy) == 1, [cmdline(p) for p in descendants]
+        proxy[0].kill()
+        killed = time.monotonic()
+        proxy[0].wait(10)
+        wait_healthy(port, proc, timeout_s=60)
+        assert time.monotonic() - killed < 5 * float(PROXY_HEALTH_CHECK_PERIOD_S) + 5
+        descendants = psutil.Process(proc.pid).children(recursive=True)
         # Up (the ingress answers /health a moment before the command says so): what is
         # drained now is a running app's, not one still coming up.
         while "kvmesh: serving" not in (line := proc.stdout.readline()):
