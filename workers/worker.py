@@ -51,6 +51,7 @@ from kvmesh.workers.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.01
+CANCEL_POLL_S = 0.1  # how often a stream waiting for its next delta asks if its caller left
 # Limits on what peers may pin (pins hold blocks away from this worker's own requests).
 MAX_LEASE_S = 30.0  # longest lease; a pull needs seconds at most
 MAX_PINNED_FRACTION = 0.5  # at most this share of the pool pinned at once, all leases together
@@ -162,6 +163,7 @@ class Worker:
         resumed_token_ids: Sequence[int] = (),
         pull_plan: PullPlan | None = None,
         interval_s: float = 0.0,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> Iterator[StreamDelta]:
         """Queue a request; yield its deltas as the step thread produces them.
 
@@ -174,6 +176,9 @@ class Worker:
         caller was busy still go as one.
         Every hop after this one (Ray, the ingress, the HTTP stream) costs per message, not
         per token; vLLM's output collector merges a lagging stream's outputs the same way.
+        ``cancelled``: asked every ``CANCEL_POLL_S`` while no delta comes, and between
+        deltas; True ends the stream and aborts the request, also one still waiting for its
+        turn (it yields nothing until then: only a check while waiting sees its caller go).
         """
         deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         # Validates, and replays resumed tokens through the detokenizer, on this thread.
@@ -190,7 +195,9 @@ class Worker:
         try:
             while not finished:
                 due = last_yield + interval_s
-                delta = deltas.get()
+                delta = _next(deltas, cancelled)
+                if delta is None:
+                    return
                 # Merge what comes until the interval is over, or the request finishes.
                 while delta.finish_reason is None:
                     wait = due - time.monotonic()
@@ -355,3 +362,13 @@ def _valid_lease_s(lease_s: object) -> bool:
     if isinstance(lease_s, bool) or not isinstance(lease_s, int | float):
         return False
     return math.isfinite(lease_s) and 0 < lease_s <= MAX_LEASE_S
+
+
+def _next(deltas: queue.SimpleQueue[StreamDelta], cancelled: Callable[[], bool]) -> Any:
+    """The next delta, or None once ``cancelled()`` says the caller went away."""
+    while not cancelled():
+        try:
+            return deltas.get(timeout=CANCEL_POLL_S)
+        except queue.Empty:
+            continue
+    return None

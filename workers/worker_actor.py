@@ -97,20 +97,22 @@ class WorkerActor:
         """The request's deltas as they come, at most one per ``interval_s`` (see
         ``Worker.stream``). ``pull_plan``: the router's plan for the prefix (holder, depth),
         used by the connector unless stale."""
-        ctx = ray.get_runtime_context()
         # A caller that went away (a closed HTTP stream) cancels this task: a threaded actor
-        # cannot be interrupted, so check between tokens; closing the stream aborts the
-        # request and frees its blocks.
+        # cannot be interrupted, so the stream asks (while it waits for a delta too: a
+        # request still waiting for its turn sends none); it then aborts the request and
+        # frees its blocks.
+        cancelled = ray.get_runtime_context().is_canceled
         stream = self.worker.stream(
             prompt,
             params,
             resumed_token_ids=resumed_token_ids,
             pull_plan=pull_plan,
             interval_s=interval_s,
+            cancelled=cancelled,
         )
         with contextlib.closing(stream):
             for delta in stream:
-                if ctx.is_canceled():
+                if cancelled():
                     return
                 yield delta
 
