@@ -13,8 +13,8 @@ If the index is down, routing falls back to load only; nothing fails because of 
 that fails or times out (a dead index fails at once; a hung one, say a stopped process, only
 after ``INDEX_TIMEOUT_S``) marks the index down: requests then route by load without asking
 it, while one probe at a time, in the background, asks it again every ``INDEX_RETRY_S`` and
-marks it up when it answers. So a hung index costs one request one timeout, not every
-request one each (they are decided one at a time).
+marks it up when it answers. So a hung index costs one timeout once (for the request that
+met it, and those decided after it, one at a time), not one timeout per request.
 ``RoundRobinRequestRouter`` is the baseline; ``least_loaded`` is Serve's own power-of-two
 router.
 """
