@@ -55,7 +55,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from chaos_driver import summary  # noqa: E402
+from chaos_common import summary  # noqa: E402
 
 from tests.two_hosts import TwoHosts, kvmesh_serve  # noqa: E402
 

@@ -18,57 +18,29 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray import serve
 
+from bench.chaos_common import (
+    index_actor,
+    reference,
+    run_traffic,
+    stats,
+    summary,
+    texts,
+    wait_until,
+)
+from bench.chaos_index import index_hung, index_killed
 from bench.chaos_slow_link import slow_link
 from kvmesh.cluster.serve_app import APP_NAME
-from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
 from tests.serve_helpers import kill_worker, process_alive
 from tests.two_hosts import rate_bits
-from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, streamed, traffic
-from tests.two_hosts_client import reference as no_fault_outputs
+from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
 
-SHARED = prompt(120, salt=7)  # a system prompt every chat shares: its blocks get pulled
 SOAK_SALT = 100  # the soak's rounds: salts from here on (the others' are below 10)
-
-
-def stats() -> dict[str, Any]:
-    return serve.get_app_handle(APP_NAME).stats.remote().result(timeout_s=30)
-
-
-def texts(n: int, salt: int) -> list[str]:
-    return [f"{SHARED} {prompt(12, salt=salt * 1000 + i)}" for i in range(n)]
-
-
-def reference(n: int, max_tokens: int, salt: int) -> dict[str, Any]:
-    """The no-fault outputs of ``traffic``'s requests for ``texts(n, salt)``."""
-    return no_fault_outputs(texts(n, salt), max_tokens)
-
-
-def summary(name: str, ref: dict, run: dict, **figures: Any) -> dict[str, Any]:
-    """The common columns: requests, failed, wrong (an output unlike the no-fault
-    reference's)."""
-    results = run["results"]
-    good = [r for r in results if r["ok"]]
-    wrong = sum(
-        1 for r, want in zip(results, ref["results"], strict=True) if r["ok"]
-        and r["text"] != want["text"]
-    )  # fmt: skip
-    return {
-        "scenario": name,
-        "requests": len(results),
-        "failed": len(results) - len(good),
-        "wrong": wrong,
-        "migrations": sum(r["kvmesh"]["migrations"] for r in good),
-        "seconds": run["seconds"],
-        **figures,
-    }
 
 
 def pull(base_url: str, dev: str, rate: str, words: int, repeat: int = 3) -> dict[str, Any]:
@@ -121,13 +93,6 @@ def pull(base_url: str, dev: str, rate: str, words: int, repeat: int = 3) -> dic
     }
 
 
-def run_traffic(base_url: str, n: int, max_tokens: int, salt: int, fault: Any = None) -> dict:
-    """``n`` mixed requests; ``fault`` (if any) runs in a thread once they are under way."""
-    if fault is not None:
-        threading.Timer(1.0, fault).start()
-    return traffic(base_url, texts(n, salt), max_tokens, concurrency=n)
-
-
 def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
     ref = reference(n, max_tokens, salt=1)
     killed: dict[str, Any] = {}
@@ -142,7 +107,7 @@ def worker_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
         killed["purged_s"] = round(time.monotonic() - killed["at"], 2)
 
     run = run_traffic(base_url, n, max_tokens, salt=1, fault=fault)
-    _wait_for(lambda: "purged_s" in killed, 60)
+    wait_until(lambda: "purged_s" in killed, 60)
     return summary("worker_killed", ref, run, index_purged_s=killed.get("purged_s"))
 
 
@@ -156,7 +121,7 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
 
     def fault() -> None:
         busy = _busy_worker() or next(iter(stats()["workers"]))  # none busy: any
-        engines = {w: m["handle"] for w, m in ray.get(_index().workers.remote()).items()}
+        engines = {w: m["handle"] for w, m in ray.get(index_actor().workers.remote()).items()}
         pid = ray.get(engines[busy].__ray_call__.remote(lambda _: os.getpid()), timeout=30)
         os.kill(pid, signal.SIGSTOP)
         at = time.monotonic()
@@ -165,13 +130,13 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
         while time.monotonic() - at < 120 and ("killed_s" not in hung or "purged_s" not in hung):
             if "killed_s" not in hung and not process_alive(pid):
                 hung["killed_s"] = round(time.monotonic() - at, 2)
-            if "purged_s" not in hung and busy not in ray.get(_index().workers.remote()):
+            if "purged_s" not in hung and busy not in ray.get(index_actor().workers.remote()):
                 hung["purged_s"] = round(time.monotonic() - at, 2)
             time.sleep(0.1)
         hung["done"] = True
 
     run = run_traffic(base_url, n, max_tokens, salt=4, fault=fault)
-    _wait_for(lambda: "done" in hung, 150)
+    wait_until(lambda: "done" in hung, 150)
     gone = not process_alive(hung["pid"])
     if not gone:
         os.kill(hung["pid"], signal.SIGKILL)
@@ -188,89 +153,6 @@ def _busy_worker(within_s: float = 30.0, besides: str | None = None) -> str | No
         if busy or time.monotonic() > deadline:
             return busy[0] if busy else None
         time.sleep(0.1)
-
-
-def index_killed(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
-    ref = reference(n, max_tokens, salt=2)
-    done: dict[str, Any] = {}
-
-    def fault() -> None:
-        names = [
-            a for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(ACTOR_NAME_PREFIX)
-        ]  # fmt: skip
-        for a in names:
-            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
-        at = time.monotonic()
-        want = len(stats().get("workers", {})) or 2
-        while len(stats().get("workers", {})) < want:
-            time.sleep(0.1)
-        done["rejoined_s"] = round(time.monotonic() - at, 2)
-
-    run = run_traffic(base_url, n, max_tokens, salt=2, fault=fault)
-    _wait_for(lambda: "rejoined_s" in done, 60)
-    return summary("index_killed", ref, run, workers_rejoined_s=done.get("rejoined_s"))
-
-
-def index_hung(base_url: str, hang_s: float, max_tokens: int, clients: int = 4) -> dict[str, Any]:
-    """The index actor's process stopped (SIGSTOP: alive and silent, where a kill fails
-    calls at once) for ``hang_s`` under a steady closed loop of short requests, then let go.
-    Only the requests that asked it before a first call timed out may wait (the router's
-    2 s, a worker lookup's ``timeout_s``); the rest route by load and compute. Figures: each
-    phase's requests and slowest, the index's stale purges meanwhile (its own pause is not
-    its workers' silence), and seconds until the router used it again."""
-    n = 600  # more than the loop sends in hang_s + 10 s here
-    ref = reference(n, max_tokens, salt=5)
-    prompts = texts(n, salt=5)
-    index = _index()
-    pid = ray.get(index.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
-    purged_before = ray.get(index.stats.remote(), timeout=30)["purged_stale"]
-    workers_before = set(ray.get(index.workers.remote(), timeout=30))
-    timed: list[tuple[float, float, dict[str, Any]]] = []  # (start, seconds, result)
-    lock = threading.Lock()
-    sent = iter(range(n))
-    start = time.monotonic()
-    hang = (start + 3.0, start + 3.0 + hang_s)
-    end = hang[1] + 7.0
-
-    def client() -> None:
-        while time.monotonic() < end:
-            with lock:
-                i = next(sent, None)
-            if i is None:
-                return
-            t = time.monotonic()
-            out = complete(base_url, prompts[i], max_tokens, streamed(i))
-            with lock:
-                timed.append((t, time.monotonic() - t, {**out, "i": i}))
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    time.sleep(max(0.0, hang[0] - time.monotonic()))
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(max(0.0, hang[1] - time.monotonic()))
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    for t in threads:
-        t.join()
-    timed.sort(key=lambda x: x[2]["i"])
-    results = [r for _, _, r in timed]
-    run = {"results": results, "seconds": round(time.monotonic() - start, 3)}
-    ref = {"results": [ref["results"][r["i"]] for r in results]}
-
-    def phase(lo: float, hi: float) -> dict[str, Any]:
-        took = [secs for t, secs, _ in timed if lo <= t < hi]
-        return {"requests": len(took), "max_s": round(max(took, default=0.0), 2)}
-
-    stats_after = ray.get(index.stats.remote(), timeout=30)
-    return summary(
-        "index_hung", ref, run, hang_s=hang_s,
-        before=phase(start, hang[0]), during=phase(*hang), after=phase(hang[1], end),
-        purged_during_hang=stats_after["purged_stale"] - purged_before,
-        workers_kept=workers_before <= set(ray.get(index.workers.remote(), timeout=30)),
-    )  # fmt: skip
 
 
 def client_disconnects(base_url: str, streams: int, max_tokens: int) -> dict[str, Any]:
@@ -291,7 +173,7 @@ def client_disconnects(base_url: str, streams: int, max_tokens: int) -> dict[str
     for s in opened:
         s.close()
     closed = time.monotonic()
-    _wait_for(lambda: all(ld["running"] == 0 for ld in stats()["workers"].values()), 60)
+    wait_until(lambda: all(ld["running"] == 0 for ld in stats()["workers"].values()), 60)
     stopped_s = time.monotonic() - closed
     occupancy = stats()["workers"]
     return {
@@ -305,29 +187,10 @@ def client_disconnects(base_url: str, streams: int, max_tokens: int) -> dict[str
     }  # fmt: skip
 
 
-def _index(timeout_s: float = 60.0) -> Any:
-    """The serving app's index actor: the one with workers registered (an earlier app's, of
-    another model, may linger empty under its own name), waiting while a killed one is
-    being replaced and its workers rejoin."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if a["name"].startswith(ACTOR_NAME_PREFIX):
-                handle = ray.get_actor(a["name"], namespace=a["namespace"])
-                try:
-                    if ray.get(handle.workers.remote(), timeout=10):
-                        return handle
-                except (ray.exceptions.RayError, TimeoutError):
-                    pass  # being replaced
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no index actor with workers after {timeout_s} s")
-        time.sleep(0.2)
-
-
 def _processes() -> dict[str, Any]:
     """Worker name -> its engine actor's handle, plus the ingress replica's, from the index
     and Ray's named actors."""
-    handles = {w: m["handle"] for w, m in ray.get(_index().workers.remote()).items()}
+    handles = {w: m["handle"] for w, m in ray.get(index_actor().workers.remote()).items()}
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#KvmeshServer#"):
             handles["ingress"] = ray.get_actor(a["name"], namespace=a["namespace"])
@@ -379,13 +242,13 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
             if faults % 2:
                 fault = kill_a_busy_victim
             else:
-                fault = lambda: ray.kill(_index(), no_restart=False)  # noqa: E731
+                fault = lambda: ray.kill(index_actor(), no_restart=False)  # noqa: E731
         salt = next(salts)
         runs.append(run_traffic(base_url, n, max_tokens, salt=salt, fault=fault))
         # The round's no-fault outputs, computed while the next round runs (at the end they
         # would add a minute to the suite).
         refs.append(computing.submit(reference, n, max_tokens, salt))
-    _wait_for(lambda: len(stats().get("workers", {})) >= 2, 120)
+    wait_until(lambda: len(stats().get("workers", {})) >= 2, 120)
     time.sleep(5.0)  # leases of the last pulls end; stats settle
     after = {k: _footprint(h) for k, h in watched.items()}
     workers = _processes()
@@ -407,12 +270,6 @@ def traffic_only(base_url: str, n: int, max_tokens: int, salt: int) -> dict[str,
     """Load for a fault chaos.py injects (a host, the link): prints a start line first."""
     print(json.dumps({"started": time.time()}), flush=True)
     return traffic(base_url, texts(n, salt), max_tokens, concurrency=n)
-
-
-def _wait_for(cond: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 SCENARIOS = {
