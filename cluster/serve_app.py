@@ -6,8 +6,8 @@ stateless ingress in front of them.
   routes' JSON body as a dict and answer their JSON (``n``, prompt batches, logprobs, the
   same checks); ``handle.generate.remote(request)`` is the plain form: one ``prompt`` (text
   or token ids) or ``messages`` plus sampling fields, answered with text, token ids and
-  provenance. With ``"stream": True`` in the body *and* ``handle.options(stream=True)``
-  each yields chunks.
+  provenance (``handle_generate.py``). With ``"stream": True`` in the body *and*
+  ``handle.options(stream=True)`` each yields chunks.
 - ``build_app(args)`` is the Serve ``import_path`` target (serveConfigV2, KubeRay), and
   ``deploy(config)`` runs it from Python and returns the ``DeploymentHandle``.
 
@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -41,10 +40,11 @@ from ray.serve.schema import ApplicationStatus
 
 from kvmesh.cluster import front_door
 from kvmesh.cluster.admission import Admission, Admitted
-from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
+from kvmesh.cluster.backend import GenerateRequest
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
+from kvmesh.cluster.handle_generate import chunk_dict, completion_dict, parse_request
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
 from kvmesh.cluster.metrics import ServeMetrics
 from kvmesh.cluster.openai_requests import chat_choices, completion_choices
@@ -53,7 +53,6 @@ from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.request_parsing import B, parse_dict
 from kvmesh.cluster.response_shape import ResponseShape
 from kvmesh.cluster.worker_deployment import WorkerDeployment
-from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 APP_NAME = "kvmesh"
@@ -69,78 +68,6 @@ APP_WATCH_S = 1.0
 INGRESS_STOP_MARGIN_S = APP_WATCH_S + 4.0
 # Serve autoscaling: the window its ongoing-request average covers.
 LOOK_BACK_S = 15.0  # Serve wants more than its 10-s metrics push interval
-_SAMPLING_KEYS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "include_stop_str_in_output",
-    "ignore_eos",
-    "logprobs",
-    "prompt_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "cache_salt",
-    "allowed_token_ids",
-    "bad_words",  # tokenized by ClusterBackend.stream, as the prompt is
-    "structured_outputs",  # StructuredOutputsParams' fields, as a dict
-)
-
-
-def parse_request(d: dict[str, Any]) -> GenerateRequest:
-    """A handle request dict -> GenerateRequest; ValueError naming the field on bad input."""
-    if not isinstance(d, dict):
-        raise ValueError("request: must be a dict")
-    unknown = set(d) - {"prompt", "messages", "stream", "request_id", *_SAMPLING_KEYS}
-    if unknown:
-        raise ValueError(f"{sorted(unknown)[0]}: unknown field")
-    if ("prompt" in d) == ("messages" in d):
-        raise ValueError("prompt: give exactly one of prompt or messages")
-    params = SamplingParams(**{k: d[k] for k in _SAMPLING_KEYS if k in d})
-    rid = str(d.get("request_id") or f"kvmesh-{uuid.uuid4().hex}")
-    return GenerateRequest(rid, params, prompt=d.get("prompt"), messages=d.get("messages"))
-
-
-def completion_dict(c: Completion) -> dict[str, Any]:
-    return {
-        "id": c.request_id,
-        "text": c.text,
-        "token_ids": c.token_ids,
-        "finish_reason": c.finish_reason,
-        "usage": {
-            "prompt_tokens": len(c.prompt_token_ids),
-            "completion_tokens": len(c.token_ids),
-            "cached_tokens": c.cached_tokens,
-        },
-        "kvmesh": c.kv.to_dict(),
-        "logprobs": c.logprobs,
-        "prompt_logprobs": c.prompt_logprobs,
-    }
-
-
-def chunk_dict(c: Chunk) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": c.request_id,
-        "text": c.text,
-        "token_ids": c.token_ids,
-        "finish_reason": c.finish_reason,
-    }
-    if c.logprobs is not None:
-        out["logprobs"] = c.logprobs
-    if c.prompt_logprobs is not None:
-        out["prompt_logprobs"] = c.prompt_logprobs
-    if c.completion is not None:
-        full = completion_dict(c.completion)
-        out["usage"], out["kvmesh"] = full["usage"], full["kvmesh"]
-    return out
 
 
 @serve.ingress()

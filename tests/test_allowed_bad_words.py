@@ -225,7 +225,7 @@ def test_a_longer_bad_word_bans_its_last_token_after_the_others(llm: LLM) -> Non
 
 
 def test_the_handle_takes_both_fields() -> None:
-    from kvmesh.cluster.serve_app import parse_request
+    from kvmesh.cluster.handle_generate import parse_request
 
     req = parse_request({"prompt": "x", "allowed_token_ids": [A, B], "bad_words": ["ab"]})
     assert req.params.allowed_token_ids == (A, B) and req.params.bad_words == ("ab",)

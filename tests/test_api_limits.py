@@ -178,7 +178,7 @@ def test_tiny_temperature_and_top_p_are_floored() -> None:
 
 
 def test_the_python_handle_refuses_the_same() -> None:
-    from kvmesh.cluster.serve_app import parse_request
+    from kvmesh.cluster.handle_generate import parse_request
 
     for field, value in (("seed", 2**80), ("temperature", float("nan")), ("top_k", 10**12)):
         with pytest.raises(ValueError, match=f"^{field}: "):

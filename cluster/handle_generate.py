@@ -1,0 +1,85 @@
+"""The Python handle's plain form (``handle.generate.remote(request)``): a request dict
+(one ``prompt`` or ``messages``, sampling fields, ``stream``, ``request_id``) becomes a
+``GenerateRequest``; a completion or a stream's chunk becomes a dict of text, token ids,
+usage and provenance (``kvmesh``)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
+from kvmesh.workers.sampling_params import SamplingParams
+
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "logprobs",
+    "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "cache_salt",
+    "allowed_token_ids",
+    "bad_words",  # tokenized by ClusterBackend.stream, as the prompt is
+    "structured_outputs",  # StructuredOutputsParams' fields, as a dict
+)
+
+
+def parse_request(d: dict[str, Any]) -> GenerateRequest:
+    """A handle request dict -> GenerateRequest; ValueError naming the field on bad input."""
+    if not isinstance(d, dict):
+        raise ValueError("request: must be a dict")
+    unknown = set(d) - {"prompt", "messages", "stream", "request_id", *_SAMPLING_KEYS}
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: unknown field")
+    if ("prompt" in d) == ("messages" in d):
+        raise ValueError("prompt: give exactly one of prompt or messages")
+    params = SamplingParams(**{k: d[k] for k in _SAMPLING_KEYS if k in d})
+    rid = str(d.get("request_id") or f"kvmesh-{uuid.uuid4().hex}")
+    return GenerateRequest(rid, params, prompt=d.get("prompt"), messages=d.get("messages"))
+
+
+def completion_dict(c: Completion) -> dict[str, Any]:
+    return {
+        "id": c.request_id,
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
+        "usage": {
+            "prompt_tokens": len(c.prompt_token_ids),
+            "completion_tokens": len(c.token_ids),
+            "cached_tokens": c.cached_tokens,
+        },
+        "kvmesh": c.kv.to_dict(),
+        "logprobs": c.logprobs,
+        "prompt_logprobs": c.prompt_logprobs,
+    }
+
+
+def chunk_dict(c: Chunk) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": c.request_id,
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
+    }
+    if c.logprobs is not None:
+        out["logprobs"] = c.logprobs
+    if c.prompt_logprobs is not None:
+        out["prompt_logprobs"] = c.prompt_logprobs
+    if c.completion is not None:
+        full = completion_dict(c.completion)
+        out["usage"], out["kvmesh"] = full["usage"], full["kvmesh"]
+    return out
