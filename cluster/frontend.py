@@ -216,6 +216,7 @@ class ClusterBackend:
             own_call_id()
             stream = self.handles[self.role].options(stream=True).generate.remote(work)
             self._running.add(stream)
+            finished = False
             try:
                 async for delta in stream:
                     delta: StreamDelta
@@ -236,8 +237,9 @@ class ClusterBackend:
                             request, ids, delta, generated, logprobs, prefill_worker, migrations
                         )
                         chunk.completion.prompt_logprobs = prompt_logprobs
+                    finished = delta.finish_reason is not None
                     yield chunk
-                    if delta.finish_reason is not None:
+                    if finished:
                         return
                 raise RayActorError()  # the stream ended without a finish: the worker went
             except Exception as e:
@@ -262,6 +264,10 @@ class ClusterBackend:
                 )
             finally:
                 self._running.discard(stream)
+                if not finished:
+                    # Closed at ``yield`` (the client left while a chunk was on its way), no
+                    # cancellation reached the worker call: cancel it, or it runs on for nobody.
+                    stream.cancel()
 
     def _completion(
         self,

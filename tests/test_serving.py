@@ -3,6 +3,7 @@ test_serving_pd.py."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -12,7 +13,8 @@ import ray
 from ray import serve
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.cluster.frontend import PROGRESS_INTERVAL_S
+from kvmesh.cluster.backend import GenerateRequest
+from kvmesh.cluster.frontend import PROGRESS_INTERVAL_S, ClusterBackend
 from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
@@ -271,6 +273,35 @@ def test_a_handle_stream_its_caller_cancels_aborts_every_choice(unified) -> None
     stream.cancel()
     wait_for(lambda: busy_worker(handle) is None, 15, "the workers to abort both choices")
     wait_for(lambda: handle.ingress_stats.remote().result()["admitted"] == 0, 5, "places back")
+
+
+def test_a_stream_closed_between_chunks_aborts_its_worker(unified) -> None:
+    """A client that hangs up while the ingress is handing a chunk on (not waiting for the
+    next) closes the backend's stream at its ``yield``: no cancellation reaches the worker
+    call there, so it must be cancelled by hand, or the worker runs to max_tokens for nobody.
+    """
+    handle, _, config = unified
+    workers = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", APP_NAME)
+    backend = ClusterBackend(config, {"worker": workers})
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+
+    async def read_one_then_close() -> None:
+        stream = backend.stream(GenerateRequest("closed-at-yield", params, prompt="Once"))
+        await anext(stream)
+        await stream.aclose()
+
+    async def read_all() -> None:
+        async for _ in backend.stream(GenerateRequest("read-through", params, prompt="Once")):
+            pass
+
+    start = time.monotonic()
+    asyncio.run(read_all())
+    whole_s = time.monotonic() - start  # what a worker running on for nobody would take
+    asyncio.run(read_one_then_close())
+    closed = time.monotonic()
+    wait_for(lambda: busy_worker(handle) is None, 20, "the worker to drop it", every=0.05)
+    took = time.monotonic() - closed
+    assert took < min(1.0, whole_s / 2), f"aborted {took:.2f} s after; whole {whole_s:.2f} s"
 
 
 def test_a_worker_files_kv_under_its_own_tokens_not_a_sent_chain(unified) -> None:
