@@ -32,6 +32,7 @@ from ray.serve import context as serve_context
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.liveness import SILENT_PERIODS, WorkerSilent, live_deltas
 from kvmesh.cluster.metrics import tier_totals
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
@@ -63,8 +64,10 @@ class WorkerLostError(Unavailable):
 def _is_lost(e: BaseException) -> bool:
     """What a lost worker replica looks like to a caller: the replica or its engine actor
     died or is unreachable (RayActorError, which ActorDiedError and ActorUnavailableError
-    subclass), also when wrapped in the replica's RayTaskError."""
-    return isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError)
+    subclass), also when wrapped in the replica's RayTaskError, or its call went silent (its
+    process hung or cut off: ``liveness``)."""
+    lost = (RayActorError, WorkerSilent)
+    return isinstance(e, lost) or isinstance(getattr(e, "cause", None), RayActorError)
 
 
 def _current_actor() -> Any:
@@ -99,6 +102,8 @@ class ClusterBackend:
         self._ended = False  # the drain is over: running requests end too
         self._running: set[Any] = set()  # the worker calls of the requests running here
         self._loop: asyncio.AbstractEventLoop | None = None  # where requests run
+        # A worker call that sent nothing, not even a keep-alive, this long is lost.
+        self._silent_s = config.health_check_period_s * SILENT_PERIODS
 
     def drain(self, drain_s: float) -> None:
         """The app is stopping: refuse each new request (``Unavailable``, a 503) and end the
@@ -146,7 +151,12 @@ class ClusterBackend:
         return self.tokenize(request.prompt)
 
     def _worker_request(
-        self, request: GenerateRequest, ids: list[int], resumed: list[int], interval_s: float
+        self,
+        request: GenerateRequest,
+        ids: list[int],
+        resumed: list[int],
+        interval_s: float,
+        lost_on: Sequence[str] = (),
     ) -> WorkerRequest:
         namespace = cache_namespace(self.namespace, request.params.cache_salt)
         chain = block_hashes([*ids, *resumed], self.config.block_size, namespace)
@@ -158,6 +168,7 @@ class ClusterBackend:
             list(resumed),
             fingerprint=self.info["fingerprint"] if self.config.connector else None,
             caller=self.caller,
+            lost_on=tuple(lost_on),
             interval_s=interval_s,
         )
 
@@ -204,6 +215,7 @@ class ClusterBackend:
         logprobs: list[dict[int, float]] = []
         prompt_logprobs: list[dict[int, float] | None] | None = None
         migrations = 0
+        lost_on: list[str] = []  # the workers it was lost on: not routed there again
         while True:
             if self._ended:
                 raise Unavailable(SHUTTING_DOWN)
@@ -212,14 +224,15 @@ class ClusterBackend:
                 asked = dataclasses.replace(
                     request, params=dataclasses.replace(params, prompt_logprobs=None)
                 )
-            work = self._worker_request(asked, ids, generated, interval_s)
+            work = self._worker_request(asked, ids, generated, interval_s, lost_on)
             own_call_id()
             stream = self.handles[self.role].options(stream=True).generate.remote(work)
             self._running.add(stream)
             finished = False
+            worker = None
             try:
-                async for delta in stream:
-                    delta: StreamDelta
+                async for delta in live_deltas(stream, self._silent_s):
+                    worker = delta.worker
                     generated.extend(delta.token_ids)
                     logprobs.extend(delta.logprobs or [])
                     if delta.prompt_logprobs is not None:
@@ -249,6 +262,10 @@ class ClusterBackend:
                 if not _is_lost(e):
                     raise
                 migrations += 1
+                # Where it ran: its deltas say; before any came, where the router sent it.
+                worker = worker or (work.plan.worker if work.plan is not None else None)
+                if worker is not None:
+                    lost_on.append(worker)
                 if migrations > self.config.max_migrations:
                     raise WorkerLostError(
                         f"request {request.request_id}: its worker was lost {migrations} times "
@@ -311,7 +328,7 @@ class ClusterBackend:
         try:
             # The replica's first (empty) delta says it took the prompt.
             await asyncio.wait_for(anext(stream), self.config.prefill_wait_s)
-            async for delta in stream:
+            async for delta in live_deltas(stream, self._silent_s):
                 if delta.output is not None:
                     return delta.worker
         except TimeoutError:

@@ -29,7 +29,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvmesh.cluster.router import Router, WorkerView
-from kvmesh.cluster.worker_deployment import worker_name
+from kvmesh.cluster.worker_deployment import replica_id_of, worker_name
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.holder_sets import pullable_depths
 from kvmesh.connector.index_actor import get_index_actor
@@ -64,6 +64,7 @@ class KvAwareRequestRouter(RequestRouter):
         request = _worker_request(pending_request)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
+        candidate_replicas = not_lost_on(candidate_replicas, request)
         self.fingerprint = self.fingerprint or request.fingerprint
         replicas = {worker_name(self.role, r.replica_id.unique_id): r for r in candidate_replicas}
         # One decision at a time in this router: a burst must see its own earlier choices.
@@ -192,9 +193,20 @@ class RoundRobinRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        candidates = not_lost_on(candidate_replicas, _worker_request(pending_request))
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
         i = next(self._turn) % len(ordered)
         return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]
+
+
+def not_lost_on(
+    candidates: list[RunningReplica], request: WorkerRequest | None
+) -> list[RunningReplica]:
+    """The candidates ``request`` was not lost on, unless that leaves none."""
+    if request is None or not request.lost_on:
+        return candidates
+    lost = {replica_id_of(w) for w in request.lost_on}
+    return [r for r in candidates if r.replica_id.unique_id not in lost] or candidates
 
 
 def _worker_request(pending: PendingRequest | None) -> WorkerRequest | None:

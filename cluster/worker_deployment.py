@@ -16,6 +16,7 @@ index, the router, responses and metrics use.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.cost_model import CostModel
+from kvmesh.cluster.liveness import keep_alive
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
@@ -49,6 +51,11 @@ HUNG_AFTER_SILENT_CHECKS = 2
 
 def worker_name(role: str, replica_unique_id: str) -> str:
     return f"{role}-{replica_unique_id}"
+
+
+def replica_id_of(worker: str) -> str:
+    """The replica's unique id in ``worker_name``'s name (roles have no dash)."""
+    return worker.split("-", 1)[1]
 
 
 def pull_plan(plan: Plan | None, role: str) -> PullPlan | None:
@@ -125,7 +132,20 @@ class WorkerDeployment:
         return {**self.info, "worker_id": self.name}
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
-        """Run one request; yields its deltas (the last one carries the whole output)."""
+        """Run one request; yields its deltas (the last one carries the whole output), and
+        an empty one each health-check period it has nothing else to send: the caller's sign
+        that this replica lives (``liveness``)."""
+        task = self._watch(request.caller)
+        beat = StreamDelta(request.request_id, worker=self.name)
+        try:
+            deltas = keep_alive(self._run(request), self.config.health_check_period_s, beat)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
+        finally:
+            self._unwatch(request.caller, task)
+
+    async def _run(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         if self.role == "prefill":
             # An empty first delta says this replica took the prompt: the ingress bounds only
             # the wait for that (``prefill_wait_s``), never the prefill itself.
@@ -150,7 +170,6 @@ class WorkerDeployment:
         )
         finished = False
         first = True
-        task = self._watch(request.caller)
         try:
             async for ref in gen:
                 delta: StreamDelta = await ref
@@ -175,7 +194,6 @@ class WorkerDeployment:
             ray.kill(ray.get_runtime_context().current_actor)
             raise
         finally:
-            self._unwatch(request.caller, task)
             if not finished:
                 ray.cancel(gen)
             if plan is not None and plan.pending_id is not None and self.index is not None:

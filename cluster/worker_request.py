@@ -46,6 +46,9 @@ class WorkerRequest:
     # At most one message per interval back to the ingress (``Worker.stream``): a stream's
     # ``stream_interval_s``, or for an answer sent whole the ingress's progress interval.
     interval_s: float = 0.0
+    # Workers this request was lost on (dead, or silent: ``liveness``). Serve lists a hung
+    # replica until its health checks fail, so the routers send a migration elsewhere.
+    lost_on: tuple[str, ...] = ()
 
     @property
     def num_context_tokens(self) -> int:

@@ -8,6 +8,7 @@ a replacement, which registers with the index and serves; the index's loss costs
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from tests.serve_helpers import (
     kill_worker,
     process_alive,
     redeploy,
+    replica_actor,
     replica_log,
     running_replicas,
     served_fingerprint,
@@ -200,6 +202,38 @@ def test_a_hung_engine_is_killed_and_its_stream_moves(app) -> None:
     # Killed by its replica: ray.kill returns once the actor is marked dead, and Ray sends the
     # stopped process its SIGKILL after asking it to exit (which it cannot answer).
     wait_for(lambda: not process_alive(pid), 15, "the hung engine's process to end", every=0.2)
+    _healed(app)
+
+
+def test_a_hung_worker_replicas_stream_moves(app) -> None:
+    """A worker replica whose process hangs (stopped) mid-stream: its call sends nothing,
+    not even a keep-alive, so after ``SILENT_PERIODS`` health-check periods the ingress
+    moves the stream to the other worker with the unbroken run's tokens. Serve alone would
+    leave it waiting for three failed health checks and a graceful stop the hung process
+    cannot answer (about 45 s with this app's settings)."""
+    body = {**LONG, "temperature": 0}
+    unbroken = app.generate.remote(body).result()
+
+    stopped: list[int] = []
+
+    def stop_the_replica() -> tuple[str, float]:
+        worker = wait_for(lambda: busy_worker(app), 10, "the busy worker")
+        pid = ray.get(replica_actor(worker).__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        return worker, time.monotonic()
+
+    try:
+        chunks, (worker, stopped_at) = _stream(app, body, 5, stop_the_replica)
+        took = time.monotonic() - stopped_at
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):  # Serve's own kill came first
+                os.kill(pid, signal.SIGKILL)  # a crash now: Serve replaces it at once
+    assert [t for c in chunks for t in c["token_ids"]] == unbroken["token_ids"]
+    last = chunks[-1]["kvmesh"]
+    assert last["migrations"] == 1 and last["worker"] != worker
+    assert took < 10.0, f"the stream waited {took:.0f} s for its hung replica"
     _healed(app)
 
 

@@ -1,13 +1,19 @@
 """The router's choices over the measured costs, each worker at its own (no Ray)."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 
 from kvmesh.cluster.cost_model import CostModel
-from kvmesh.cluster.request_router import _holder
+from kvmesh.cluster.request_router import _holder, not_lost_on
 from kvmesh.cluster.router import Router, WorkerView
+from kvmesh.cluster.worker_deployment import worker_name
+from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.events import EventBatch, Stored, encode_batch
 from kvmesh.connector.holder_sets import pullable_depths
 from kvmesh.connector.kv_index import KvIndex
+from kvmesh.workers.sampling_params import SamplingParams
 
 BS = 16
 
@@ -350,3 +356,20 @@ def test_a_pull_is_charged_its_links_cost_and_comes_from_the_nearest_holder() ->
     info = {"held": {"h1": 64, "h2": 80}}
     assert _holder(info, "a", r, 64) == "h1"
     assert _holder(info, "b", r, 64) == "h2"
+
+
+def test_a_migration_is_not_routed_back_to_the_worker_it_was_lost_on() -> None:
+    """Serve lists a hung replica until its health checks fail; a request lost there (its
+    call went silent) goes elsewhere, unless no other replica is left."""
+    replicas = [
+        SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("aaa", "bbb", "ccc")
+    ]
+
+    def ids(request: WorkerRequest | None, candidates: list = replicas) -> list[str]:
+        return [r.replica_id.unique_id for r in not_lost_on(candidates, request)]
+
+    fresh = WorkerRequest("r", [1, 2], SamplingParams())
+    moved = dataclasses.replace(fresh, lost_on=(worker_name("worker", "bbb"),))
+    assert ids(None) == ids(fresh) == ["aaa", "bbb", "ccc"]
+    assert ids(moved) == ["aaa", "ccc"]
+    assert ids(moved, replicas[1:2]) == ["bbb"]  # the only one: better than nowhere

@@ -81,6 +81,18 @@ class StreamDelta:
     # With SamplingParams.prompt_logprobs, on the delta of the first token generated here.
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
+    @property
+    def is_empty(self) -> bool:
+        """It carries nothing: no token, text, finish, output or prompt logprobs (a
+        keep-alive, or a prefill replica's "took it")."""
+        return not (
+            self.token_ids
+            or self.text
+            or self.finish_reason is not None
+            or self.output is not None
+            or self.prompt_logprobs is not None
+        )
+
     def merged(self, later: StreamDelta) -> StreamDelta:
         """This delta and the one after it as one: their tokens, text and logprobs in order,
         the later one's finish and output."""

@@ -1,0 +1,70 @@
+"""Whether a worker call is alive: the worker sends an empty delta each health-check period it
+has nothing else to send (``keep_alive``), and the ingress counts a call that sent nothing,
+not even that, for ``SILENT_PERIODS`` periods as lost (``live_deltas``), as it counts a dead
+replica: it cancels the call and moves the request to another worker.
+
+Without it, a request on a replica whose process hangs (stopped, swapped out, its node cut
+off) waits for Serve to give up on the replica: three failed health checks and then a
+graceful stop of up to ``drain_timeout_s`` that the hung process cannot answer (about 90 s
+measured with the defaults), while its client sees nothing. A request may wait a long time
+for its first token (queued, waiting for a peer's prefix, a long prefill), so silence of the
+engine is no sign; silence of the replica, which answers for it, is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvmesh.workers.outputs import StreamDelta
+
+# Health-check periods a worker call may stay silent before it counts as lost: the keep-alive
+# comes every period, so this leaves room for a busy event loop or a slow link.
+SILENT_PERIODS = 5
+
+
+class WorkerSilent(Exception):
+    """A worker call sent nothing, not even a keep-alive, for ``SILENT_PERIODS`` periods."""
+
+
+async def keep_alive(
+    deltas: AsyncIterator[StreamDelta], period_s: float, beat: StreamDelta
+) -> AsyncIterator[StreamDelta]:
+    """``deltas``, with ``beat`` (an empty delta) after each ``period_s`` without one. Closing
+    or cancelling it closes ``deltas``."""
+    nxt: asyncio.Future[StreamDelta] = asyncio.ensure_future(anext(deltas))
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=period_s)
+            if not done:
+                yield beat
+                continue
+            try:
+                delta = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield delta
+            nxt = asyncio.ensure_future(anext(deltas))
+    finally:
+        if not nxt.done():
+            nxt.cancel()  # the request's own cleanup runs in ``deltas``' finally
+            with contextlib.suppress(BaseException):
+                await nxt
+        await deltas.aclose()
+
+
+async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta]:
+    """A worker call's deltas without its keep-alives; ``WorkerSilent`` when nothing came
+    for ``silent_s``. Timing out cancels the call (Serve's response generator cancels its
+    request when a read of it is cancelled)."""
+    while True:
+        try:
+            delta: StreamDelta = await asyncio.wait_for(anext(stream), silent_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise WorkerSilent(f"the worker sent nothing for {silent_s:.0f} s") from None
+        if not delta.is_empty:
+            yield delta
