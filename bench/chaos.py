@@ -17,6 +17,9 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
   seconds until the index no longer lists it.
 - ``worker_hung``: a busy worker's engine process stopped (SIGSTOP) under load: its replica
   kills it after two silent health checks, its requests move; seconds until the index drops it.
+- ``replica_hung``: a busy worker's Serve replica process stopped (SIGSTOP) under load: its
+  calls send no keep-alive, so their requests move after 10 s of silence; the slowest
+  request, and when Serve killed the replica (if it did while the load ran).
 - ``index_killed``: the index actor killed under load; seconds until every worker rejoined.
 - ``index_hung``: the index actor's process stopped (SIGSTOP) for 20 s under a closed loop of
   short requests: the slowest request before, during and after the hang, and whether the
@@ -60,7 +63,7 @@ from chaos_common import summary  # noqa: E402
 from tests.two_hosts import TwoHosts, kvmesh_serve  # noqa: E402
 
 TWO_HOST = ("pull_1gbit", "pull_10gbit", "slow_link", "worker_killed", "worker_hung",
-            "index_killed", "index_hung", "client_disconnects", "soak", "host_lost",
+            "replica_hung", "index_killed", "index_hung", "client_disconnects", "soak", "host_lost",
             "link_cut")  # fmt: skip
 # host_lost, link_cut: the fault this long after the load starts, full and --quick (the
 # load lasts about 40 s, and 8 s with --quick).
@@ -243,7 +246,7 @@ def two_host_rows(
         # lands a second (or FAULT_AFTER_S) in.
         n, tokens = (16, 100) if quick else (64, 200)
         with kvmesh_serve(hosts, flags) as url:
-            for s in ("worker_killed", "worker_hung", "index_killed"):
+            for s in ("worker_killed", "worker_hung", "replica_hung", "index_killed"):
                 if s in only:
                     emit(driver(hosts, s, "tiny-random", base_url=url, n=n, max_tokens=tokens))
             if "index_hung" in only:

@@ -36,7 +36,7 @@ from bench.chaos_common import (
 from bench.chaos_index import index_hung, index_killed
 from bench.chaos_slow_link import slow_link
 from kvmesh.cluster.serve_app import APP_NAME
-from tests.serve_helpers import kill_worker, process_alive
+from tests.serve_helpers import kill_worker, process_alive, replica_actor
 from tests.two_hosts import rate_bits
 from tests.two_hosts_client import MODEL, complete, link_bytes, prompt, traffic
 
@@ -142,6 +142,38 @@ def worker_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
         os.kill(hung["pid"], signal.SIGKILL)
     return summary("worker_hung", ref, run, engine_killed_s=hung.get("killed_s"),
                    index_purged_s=hung.get("purged_s"), killed_by_replica=gone)  # fmt: skip
+
+
+def replica_hung(base_url: str, n: int, max_tokens: int) -> dict[str, Any]:
+    """A busy worker's Serve replica process stopped (SIGSTOP; a process swapped out or
+    cut off answers nothing either) under load: its calls send no keep-alive, so the ingress
+    moves their requests after five health-check periods of silence (10 s), long before
+    Serve gives up on the replica. ``slowest_s``: the slowest request; ``serve_killed_s``:
+    when Serve killed the stopped replica (the bench kills it after the load otherwise)."""
+    ref = reference(n, max_tokens, salt=6)
+    hung: dict[str, Any] = {}
+
+    def fault() -> None:
+        busy = _busy_worker() or next(iter(stats()["workers"]))
+        replica = replica_actor(busy)
+        pid = ray.get(replica.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        at = time.monotonic()
+        hung.update(worker=busy, pid=pid)
+        while time.monotonic() - at < 120 and process_alive(pid) and "stop" not in hung:
+            time.sleep(0.2)
+        if not process_alive(pid):
+            hung["killed_s"] = round(time.monotonic() - at, 2)
+        hung["done"] = True
+
+    run = run_traffic(base_url, n, max_tokens, salt=6, fault=fault)
+    hung["stop"] = True  # the load is over: no need to wait for Serve
+    wait_until(lambda: "done" in hung, 10)
+    if process_alive(hung["pid"]):
+        os.kill(hung["pid"], signal.SIGKILL)
+    slowest = max((r["seconds"] for r in run["results"] if r["ok"]), default=None)
+    return summary("replica_hung", ref, run, slowest_s=round(slowest, 2) if slowest else None,
+                   serve_killed_s=hung.get("killed_s"))  # fmt: skip
 
 
 def _busy_worker(within_s: float = 30.0, besides: str | None = None) -> str | None:
@@ -277,6 +309,7 @@ SCENARIOS = {
     "slow_link": slow_link,
     "worker_killed": worker_killed,
     "worker_hung": worker_hung,
+    "replica_hung": replica_hung,
     "index_killed": index_killed,
     "index_hung": index_hung,
     "client_disconnects": client_disconnects,

@@ -57,8 +57,7 @@ async def keep_alive(
 
 async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta]:
     """A worker call's deltas without its keep-alives; ``WorkerSilent`` when nothing came
-    for ``silent_s``. Timing out cancels the call (Serve's response generator cancels its
-    request when a read of it is cancelled)."""
+    for ``silent_s`` (the caller then cancels the call: a cancelled read does not)."""
     while True:
         try:
             delta: StreamDelta = await asyncio.wait_for(anext(stream), silent_s)

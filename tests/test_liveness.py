@@ -60,7 +60,7 @@ def test_a_silent_call_is_lost() -> None:
     log: list[str] = []
     with pytest.raises(WorkerSilent):
         _run(go())
-    assert log == ["cancelled", "closed"]  # the read was cancelled: Serve cancels the call
+    assert log == ["cancelled", "closed"]  # its read was cancelled (the caller cancels the call)
 
 
 def test_closing_or_cancelling_ends_the_request() -> None:

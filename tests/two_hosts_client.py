@@ -46,9 +46,9 @@ def complete(
     model: str = MODEL,
     on_first_text: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """One greedy completion: its text, its ``kvmesh`` object, and when streamed the chunks
-    that carried text and the seconds to the first (or an error's class and HTTP status,
-    never raised). A stream calls ``on_first_text`` when its first text arrives."""
+    """One greedy completion: its text, its ``kvmesh`` object, its seconds, and when
+    streamed the chunks that carried text and the seconds to the first (or an error's class
+    and HTTP status, never raised). A stream calls ``on_first_text`` when its first text arrives."""
     body = {"ignore_eos": True}
     try:
         c = client(base_url)
@@ -57,7 +57,9 @@ def complete(
             r = c.completions.create(
                 model=model, prompt=text, max_tokens=max_tokens, temperature=0, extra_body=body
             )
-            return {"ok": True, "text": r.choices[0].text, "kvmesh": r.model_extra["kvmesh"]}
+            seconds = time.perf_counter() - start
+            kv = r.model_extra["kvmesh"]
+            return {"ok": True, "text": r.choices[0].text, "kvmesh": kv, "seconds": seconds}
         parts, kv, ttft = [], None, None
         for chunk in c.completions.create(
             model=model,
@@ -75,7 +77,15 @@ def complete(
                 parts.append(chunk.choices[0].text)
             kv = (chunk.model_extra or {}).get("kvmesh", kv)
         text = "".join(parts)
-        return {"ok": True, "text": text, "kvmesh": kv, "chunks": len(parts), "ttft_s": ttft}
+        seconds = time.perf_counter() - start
+        return {
+            "ok": True,
+            "text": text,
+            "kvmesh": kv,
+            "chunks": len(parts),
+            "ttft_s": ttft,
+            "seconds": seconds,
+        }
     except openai.APIStatusError as e:
         return {"ok": False, "error": type(e).__name__, "status": e.status_code}
     except (openai.APIError, httpx.HTTPError) as e:
