@@ -232,7 +232,9 @@ class ClusterBackend:
             worker = None
             try:
                 async for delta in live_deltas(stream, self._silent_s):
-                    worker = delta.worker
+                    worker = delta.worker or worker
+                    if delta.is_empty:
+                        continue  # a keep-alive
                     generated.extend(delta.token_ids)
                     logprobs.extend(delta.logprobs or [])
                     if delta.prompt_logprobs is not None:
@@ -262,7 +264,8 @@ class ClusterBackend:
                 if not _is_lost(e):
                     raise
                 migrations += 1
-                # Where it ran: its deltas say; before any came, where the router sent it.
+                # Where it ran: its deltas (keep-alives too) say; before any came, where the
+                # router sent it.
                 worker = worker or (work.plan.worker if work.plan is not None else None)
                 if worker is not None:
                     lost_on.append(worker)

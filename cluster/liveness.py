@@ -1,7 +1,8 @@
 """Whether a worker call is alive: the worker sends an empty delta each health-check period it
 has nothing else to send (``keep_alive``), and the ingress counts a call that sent nothing,
 not even that, for ``SILENT_PERIODS`` periods as lost (``live_deltas``), as it counts a dead
-replica: it cancels the call and moves the request to another worker.
+replica: it cancels the call and moves the request to another worker, never back to one it
+was lost on (``WorkerRequest.lost_on``; a keep-alive names its worker).
 
 Without it, a request on a replica whose process hangs (stopped, swapped out, its node cut
 off) waits for Serve to give up on the replica: three failed health checks and then a
@@ -56,8 +57,10 @@ async def keep_alive(
 
 
 async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta]:
-    """A worker call's deltas without its keep-alives; ``WorkerSilent`` when nothing came
-    for ``silent_s`` (the caller then cancels the call: a cancelled read does not)."""
+    """A worker call's deltas, keep-alives included (``is_empty``: they say which worker
+    holds the call, which a request still queued there knows no other way); ``WorkerSilent``
+    when nothing came for ``silent_s`` (the caller then cancels the call: a cancelled read
+    does not)."""
     while True:
         try:
             delta: StreamDelta = await asyncio.wait_for(anext(stream), silent_s)
@@ -65,5 +68,4 @@ async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta
             return
         except TimeoutError:
             raise WorkerSilent(f"the worker sent nothing for {silent_s:.0f} s") from None
-        if not delta.is_empty:
-            yield delta
+        yield delta

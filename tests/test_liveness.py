@@ -42,15 +42,18 @@ def test_a_long_wait_sends_keep_alives_and_loses_nothing() -> None:
     assert 2 <= sum(d.is_empty for d in out) <= 4  # one per 0.1 s of the 0.35 s wait
 
 
-def test_keep_alives_keep_a_slow_call_alive_and_are_dropped() -> None:
-    """Silent for 0.5 s, 3x the ingress's bound: the keep-alives carry it; none reach the
-    caller."""
+def test_keep_alives_keep_a_slow_call_alive_and_name_its_worker() -> None:
+    """Silent for 0.5 s, 3x the ingress's bound: the keep-alives carry it, each naming the
+    worker (a request still queued there learns from them where it is)."""
 
     async def go() -> list[StreamDelta]:
         worker = keep_alive(_slow([0.5, 0.0], []), 0.05, BEAT)
         return [d async for d in live_deltas(worker, 0.15)]
 
-    assert [d.token_ids for d in _run(go())] == [[0], [1]]
+    out = _run(go())
+    assert [d.token_ids for d in out if not d.is_empty] == [[0], [1]]
+    beats = [d for d in out if d.is_empty]
+    assert len(beats) >= 5 and {d.worker for d in beats} == {"w"}
 
 
 def test_a_silent_call_is_lost() -> None:
