@@ -30,8 +30,10 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
   30 s: leases and pins back to 0, RSS and threads of the surviving processes flat.
 - ``host_lost``: host b's processes all killed under load, then host b started again:
   seconds until the cluster serves on both hosts again (``heal_s``).
-- ``link_cut``: the link down for ``--cut-s`` under load, then up (Ray declares host b dead
-  meanwhile; it is started again as an autoscaler would).
+- ``link_cut``: the link down for ``--cut-s`` under load, then up: seconds from the link's
+  return until both hosts serve (``heal_s``); a host b that does not serve within
+  ``REJOIN_WITHIN_S`` (Ray declared it dead meanwhile) is started again, as an autoscaler
+  would.
 - ``transfer_faults``, ``overload``, ``fuzz``: single-host scenarios of their own benches.
   ``transfer_faults`` and ``fuzz``, whose figures are counts (and the soak's are counts and
   memory), run beside the soak and the host faults (``host_lost``, ``link_cut``: counts, and
@@ -68,6 +70,7 @@ TWO_HOST = ("pull_1gbit", "pull_10gbit", "slow_link", "worker_killed", "worker_h
 # host_lost, link_cut: the fault this long after the load starts, full and --quick (the
 # load lasts about 40 s, and 8 s with --quick).
 FAULT_AFTER_S = {False: 10.0, True: 2.0}
+REJOIN_WITHIN_S = 60.0  # link_cut: host b is restarted if it serves no sooner after the cut
 # slow_link: the link's rate in each phase, fast first (the costs learned there carry over).
 SLOW_LINK_RATES = ("1gbit", "5mbit")
 
@@ -149,19 +152,25 @@ def host_fault(
         hosts.link(False)
         time.sleep(cut_s)
         hosts.link(True)
+    back = time.monotonic()  # the link's return
     out, _ = proc.communicate(timeout=900)
     run = _last_json(out, "results")
     if run is None:  # the whole output kept for a look, the suite goes on
         Path(f"/tmp/kvmesh-chaos-{name}.out").write_text(out)
         return {"scenario": name, "error": f"no results from the load (exit {proc.returncode})"}
-    start = time.monotonic()
-    # After a short cut host b may still be in the cluster; a lost host (or one Ray declared
-    # dead meanwhile) is started again, as an autoscaler would.
-    restarted = name == "host_lost" or not _serves_on_both(hosts, url, 30)
+    # After a short cut host b may still be in the cluster: heal_s counts from the link's
+    # return (not from the load's end: requests that move off a silent host end the load
+    # before the link is back). A lost host, or one that does not serve within
+    # REJOIN_WITHIN_S of the link's return (Ray declared it dead meanwhile), is started
+    # again, as an autoscaler would, and heal_s counts from then.
+    restarted = name == "host_lost" or not _serves_on_both(
+        hosts, url, back + REJOIN_WITHIN_S - time.monotonic()
+    )
     if restarted:
+        back = time.monotonic()
         hosts.kill_host("b")
         hosts.start_host("b")
-    healed = round(time.monotonic() - start, 1) if _serves_on_both(hosts, url, 300) else None
+    healed = round(time.monotonic() - back, 1) if _serves_on_both(hosts, url, 300) else None
     # Workers that gave final answers: 2 when host b served through the fault (link_cut),
     # 1 when its requests all moved to host a (host_lost: ``migrations`` counts them).
     answering = len({r["kvmesh"]["worker"] for r in run["results"] if r["ok"]})
@@ -201,13 +210,15 @@ def slow_link(hosts: TwoHosts, url: str, quick: bool) -> dict[str, Any]:
 
 
 def _serves_on_both(hosts: TwoHosts, url: str, within_s: float) -> bool:
+    """Whether both hosts' workers answer within ``within_s`` (one try at least)."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    while True:
         done = hosts.client("traffic", base_url=url, texts=["a", "b", "c", "d"], max_tokens=2)
         if len({r["kvmesh"]["worker"] for r in done["results"] if r["ok"]}) == 2:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(2)
-    return False
 
 
 def two_host_rows(
