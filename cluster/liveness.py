@@ -63,7 +63,10 @@ async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta
     does not)."""
     while True:
         try:
-            delta: StreamDelta = await asyncio.wait_for(anext(stream), silent_s)
+            # A deadline on this task, not ``wait_for``'s task per delta: every token's
+            # delta passes here.
+            async with asyncio.timeout(silent_s):
+                delta: StreamDelta = await anext(stream)
         except StopAsyncIteration:
             return
         except TimeoutError:
