@@ -1,8 +1,8 @@
 """Whether a worker call is alive: the worker sends an empty delta each health-check period it
 has nothing else to send (``keep_alive``), and the ingress counts a call that sent nothing,
 not even that, for ``SILENT_PERIODS`` periods as lost (``live_deltas``), as it counts a dead
-replica: it cancels the call and moves the request to another worker, never back to one it
-was lost on (``WorkerRequest.lost_on``; a keep-alive names its worker).
+replica: it cancels the call and moves the request to another worker, not back to one it was
+lost on while another is listed (``WorkerRequest.lost_on``; a keep-alive names its worker).
 
 Without it, a request on a replica whose process hangs (stopped, swapped out, its node cut
 off) waits for Serve to give up on the replica: three failed health checks and then a
