@@ -1,22 +1,27 @@
-"""Whether a worker call is alive: the worker sends an empty delta each health-check period it
-has nothing else to send (``keep_alive``), and the ingress counts a call that sent nothing,
-not even that, for ``SILENT_PERIODS`` periods as lost (``live_deltas``), as it counts a dead
-replica: it cancels the call and moves the request to another worker, not back to one it was
-lost on while another is listed (``WorkerRequest.lost_on``; a keep-alive names its worker).
+"""Whether a worker call is alive. The worker sends an empty delta (a keep-alive) each
+health-check period in which it has nothing else to send for a request: its engine actor's
+stream does (``Worker.stream(keepalive_s=...)``), and so does the replica while it waits
+before calling the engine (for a peer's prefix: ``beating``). The ingress counts a call that
+sent nothing, not even that, for ``SILENT_PERIODS`` periods as lost (``live_deltas``), as it
+counts a dead replica: it cancels the call and moves the request to another worker, not back
+to one it was lost on while another is listed (``WorkerRequest.lost_on``; a keep-alive names
+its worker).
 
 Without it, a request on a replica whose process hangs (stopped, swapped out, its node cut
 off) waits for Serve to give up on the replica: three failed health checks and then a
 graceful stop of up to ``drain_timeout_s`` that the hung process cannot answer (about 90 s
 measured with the defaults), while its client sees nothing. A request may wait a long time
-for its first token (queued, waiting for a peer's prefix, a long prefill), so silence of the
-engine is no sign; silence of the replica, which answers for it, is.
+for its first token (queued, waiting for a peer's prefix, a long prefill), so a silent step
+thread is no sign. The keep-alive comes from the engine's stream threads, apart from the step
+thread, and passes through the replica, so its silence says a process on the way does not
+answer: the engine's or the replica's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from kvmesh.workers.outputs import StreamDelta
@@ -30,30 +35,25 @@ class WorkerSilent(Exception):
     """A worker call sent nothing, not even a keep-alive, for ``SILENT_PERIODS`` periods."""
 
 
-async def keep_alive(
-    deltas: AsyncIterator[StreamDelta], period_s: float, beat: StreamDelta
+async def beating(
+    waiting: Awaitable[Any], period_s: float, beat: StreamDelta
 ) -> AsyncIterator[StreamDelta]:
-    """``deltas``, with ``beat`` (an empty delta) after each ``period_s`` without one. Closing
-    or cancelling it closes ``deltas``."""
-    nxt: asyncio.Future[StreamDelta] = asyncio.ensure_future(anext(deltas))
+    """Await ``waiting`` (a replica's own wait before it calls its engine: for a peer's
+    prefix), yielding ``beat`` (an empty delta) after each ``period_s`` it takes. Closing or
+    cancelling it cancels ``waiting``."""
+    task = asyncio.ensure_future(waiting)
     try:
         while True:
-            done, _ = await asyncio.wait({nxt}, timeout=period_s)
-            if not done:
-                yield beat
-                continue
-            try:
-                delta = nxt.result()
-            except StopAsyncIteration:
+            done, _ = await asyncio.wait({task}, timeout=period_s)
+            if done:
+                task.result()
                 return
-            yield delta
-            nxt = asyncio.ensure_future(anext(deltas))
+            yield beat
     finally:
-        if not nxt.done():
-            nxt.cancel()  # the request's own cleanup runs in ``deltas``' finally
+        if not task.done():
+            task.cancel()
             with contextlib.suppress(BaseException):
-                await nxt
-        await deltas.aclose()
+                await task
 
 
 async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta]:

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.cost_model import CostModel
-from kvmesh.cluster.liveness import keep_alive
+from kvmesh.cluster.liveness import beating
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
@@ -134,32 +134,38 @@ class WorkerDeployment:
     async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         """Run one request; yields its deltas (the last one carries the whole output), and
         an empty one each health-check period it has nothing else to send: the caller's sign
-        that this replica lives (``liveness``)."""
+        that this replica and its engine live (``liveness``)."""
         task = self._watch(request.caller)
-        beat = StreamDelta(request.request_id, worker=self.name)
         try:
-            deltas = keep_alive(self._run(request), self.config.health_check_period_s, beat)
-            async with contextlib.aclosing(deltas):
+            # Closed here at a yield, ``_run``'s cleanup (cancel the engine's call) runs now.
+            async with contextlib.aclosing(self._run(request)) as deltas:
                 async for delta in deltas:
+                    delta.worker = self.name
                     yield delta
         finally:
             self._unwatch(request.caller, task)
 
     async def _run(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
+        beat = StreamDelta(request.request_id)
         if self.role == "prefill":
             # An empty first delta says this replica took the prompt: the ingress bounds only
             # the wait for that (``prefill_wait_s``), never the prefill itself.
-            yield StreamDelta(request.request_id, worker=self.name)
+            yield beat
         plan = request.plan
         if plan is not None and plan.pending_id is not None and self.index is not None:
             # The router's pending entry is believed only briefly until this worker, which
             # got the request, confirms it (a forged one never is). Nothing waits on it.
             tokens = [*request.prompt_ids, *request.resumed_ids]
             self.actor.confirm_pending.remote(plan.pending_id, tokens, request.params.cache_salt)
+        period_s = self.config.health_check_period_s
+        waiting = None
         if plan is not None and plan.wait_for is not None and self.index is not None:
-            await self._wait_for_peer(request)
+            waiting = self._wait_for_peer(request)
         elif plan is not None and plan.local_blocks:
-            await self._wait_for_arrival(request.chain[: plan.local_blocks])
+            waiting = self._wait_for_arrival(request.chain[: plan.local_blocks])
+        if waiting is not None:
+            async for b in beating(waiting, period_s, beat):
+                yield b
         queue = (plan.queue if plan is not None else 0) or 0
         gen = self.actor.generate_stream.remote(
             request.prompt_ids,
@@ -167,14 +173,14 @@ class WorkerDeployment:
             resumed_token_ids=request.resumed_ids,
             pull_plan=pull_plan(plan, self.role),
             interval_s=request.interval_s,
+            keepalive_s=period_s,
         )
         finished = False
         first = True
         try:
             async for ref in gen:
                 delta: StreamDelta = await ref
-                delta.worker = self.name
-                if first and self.index is not None:
+                if first and self.index is not None and not delta.is_empty:
                     first = False
                     # The prompt's blocks are computed: publish them now for waiting peers
                     # (their Stored event also ends this request's pending entry). A prefill

@@ -1,6 +1,7 @@
-"""``liveness``: keep-alives while a worker has nothing to send, and a silent call counted as
-lost. Plain asyncio generators stand in for the worker's deltas (a slow or hung source is
-the fault under test); the hung replica on real Serve is in test_failover.py."""
+"""``liveness``: keep-alives while a replica waits (``beating``), and a silent call counted as
+lost. Plain asyncio generators and sleeps stand in for a slow or hung source (the fault under
+test). The engine's own keep-alives are in test_stream_interval.py, the hung replica on real
+Serve in test_failover.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvmesh.cluster.liveness import WorkerSilent, keep_alive, live_deltas
+from kvmesh.cluster.liveness import WorkerSilent, beating, live_deltas
 from kvmesh.workers.outputs import StreamDelta
 
 BEAT = StreamDelta("r", worker="w")
@@ -33,27 +34,27 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def test_a_long_wait_sends_keep_alives_and_loses_nothing() -> None:
+def test_a_replicas_own_wait_sends_keep_alives() -> None:
     async def go() -> list[StreamDelta]:
-        return [d async for d in keep_alive(_slow([0.0, 0.35, 0.0], []), 0.1, BEAT)]
+        return [d async for d in beating(asyncio.sleep(0.35), 0.1, BEAT)]
+
+    assert 2 <= len(_run(go())) <= 4  # one per 0.1 s of the 0.35 s wait
+
+
+def test_keep_alives_keep_a_slow_call_alive() -> None:
+    """Silent for 0.5 s, 3x the ingress's bound: the keep-alives carry it."""
+
+    async def wait_then_send() -> AsyncIterator[StreamDelta]:
+        async for b in beating(asyncio.sleep(0.5), 0.05, BEAT):
+            yield b
+        yield StreamDelta("r", [1], "1")
+
+    async def go() -> list[StreamDelta]:
+        return [d async for d in live_deltas(wait_then_send(), 0.15)]
 
     out = _run(go())
-    assert [d.token_ids for d in out if not d.is_empty] == [[0], [1], [2]]
-    assert 2 <= sum(d.is_empty for d in out) <= 4  # one per 0.1 s of the 0.35 s wait
-
-
-def test_keep_alives_keep_a_slow_call_alive_and_name_its_worker() -> None:
-    """Silent for 0.5 s, 3x the ingress's bound: the keep-alives carry it, each naming the
-    worker (a request still queued there learns from them where it is)."""
-
-    async def go() -> list[StreamDelta]:
-        worker = keep_alive(_slow([0.5, 0.0], []), 0.05, BEAT)
-        return [d async for d in live_deltas(worker, 0.15)]
-
-    out = _run(go())
-    assert [d.token_ids for d in out if not d.is_empty] == [[0], [1]]
-    beats = [d for d in out if d.is_empty]
-    assert len(beats) >= 5 and {d.worker for d in beats} == {"w"}
+    assert [d.token_ids for d in out if not d.is_empty] == [[1]]
+    assert sum(d.is_empty for d in out) >= 5
 
 
 def test_a_silent_call_is_lost() -> None:
@@ -66,19 +67,24 @@ def test_a_silent_call_is_lost() -> None:
     assert log == ["cancelled", "closed"]  # its read was cancelled (the caller cancels the call)
 
 
-def test_closing_or_cancelling_ends_the_request() -> None:
-    """The request's own cleanup (cancel the engine's call) must run however it ends."""
+def test_closing_or_cancelling_a_wait_ends_it() -> None:
+    """However the call ends while the replica waits, the wait is cancelled."""
 
-    async def close_after_first(log: list[str]) -> None:
-        stream = keep_alive(_slow([0.0, 10.0], log), 0.05, BEAT)
-        assert (await anext(stream)).token_ids == [0]
+    async def wait(log: list[str]) -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            log.append("cancelled")
+            raise
+
+    async def close_at_a_beat(log: list[str]) -> None:
+        stream = beating(wait(log), 0.05, BEAT)
+        assert (await anext(stream)).is_empty
         await stream.aclose()
 
     async def cancel_while_waiting(log: list[str]) -> None:
-        stream = keep_alive(_slow([10.0], log), 0.05, BEAT)
-
         async def read() -> None:
-            async for _ in stream:
+            async for _ in beating(wait(log), 0.05, BEAT):
                 pass
 
         task = asyncio.ensure_future(read())
@@ -86,13 +92,8 @@ def test_closing_or_cancelling_ends_the_request() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await stream.aclose()
 
-    # Closed at its yield, the source is closed there; cancelled while waiting, its read is.
-    for case, ended in (
-        (close_after_first, ["closed"]),
-        (cancel_while_waiting, ["cancelled", "closed"]),
-    ):
+    for case in (close_at_a_beat, cancel_while_waiting):
         log: list[str] = []
         _run(case(log))
-        assert log == ended, case.__name__
+        assert log == ["cancelled"], case.__name__

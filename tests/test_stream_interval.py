@@ -1,10 +1,12 @@
 """A stream's deltas merged to at most one message per interval (``Worker.stream``'s
 ``interval_s``, the Serve app's ``stream_interval_s``): the same tokens, text and logprobs
-in fewer pieces, the first one not held back."""
+in fewer pieces, the first one not held back. And its keep-alives (``keepalive_s``): empty
+deltas while the request has nothing to send, none without it."""
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 
@@ -109,3 +111,25 @@ def test_a_bad_stream_interval_is_refused_with_its_name(value: float) -> None:
 
     with pytest.raises(ValueError, match="stream_interval_s"):
         ServeConfig(stream_interval_s=value)
+
+
+KEEP_PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def test_an_engine_held_up_sends_keep_alives_and_loses_nothing(worker: Worker) -> None:
+    """The step thread held for 0.6 s mid-request (a long step, a slow load): the stream's
+    keep-alives go on every 0.1 s, and the request's tokens are those of a run without."""
+    reference = [t for d in worker.stream(PROMPT, KEEP_PARAMS) for t in d.token_ids]
+    stream = worker.stream(PROMPT, KEEP_PARAMS, keepalive_s=0.1)
+    out = [next(stream)]
+    hold = threading.Thread(target=worker.call, args=(lambda: time.sleep(0.6),))
+    hold.start()
+    out += list(stream)
+    hold.join()
+    assert [t for d in out for t in d.token_ids] == reference
+    beats = [d for d in out if d.is_empty]
+    assert 3 <= len(beats) <= 7, len(beats)
+    assert out[-1].output is not None
+    # Without ``keepalive_s`` (a local caller) the stream sends none.
+    plain = list(worker.stream(PROMPT, KEEP_PARAMS))
+    assert not any(d.is_empty for d in plain)

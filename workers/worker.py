@@ -164,6 +164,7 @@ class Worker:
         pull_plan: PullPlan | None = None,
         interval_s: float = 0.0,
         cancelled: Callable[[], bool] = lambda: False,
+        keepalive_s: float | None = None,
     ) -> Iterator[StreamDelta]:
         """Queue a request; yield its deltas as the step thread produces them.
 
@@ -179,6 +180,10 @@ class Worker:
         ``cancelled``: asked every ``CANCEL_POLL_S`` while no delta comes, and between
         deltas; True ends the stream and aborts the request, also one still waiting for its
         turn (it yields nothing until then: only a check while waiting sees its caller go).
+        ``keepalive_s``: yield an empty delta (a keep-alive) after each ``keepalive_s`` with
+        none to yield (queued, loading its prefix, a long prefill), so that a caller across
+        the network tells a waiting request from a hung process (``cluster.liveness``); the
+        waits and the step thread are apart, so a long step does not silence it.
         """
         deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         # Validates, and replays resumed tokens through the detokenizer, on this thread.
@@ -195,9 +200,12 @@ class Worker:
         try:
             while not finished:
                 due = last_yield + interval_s
-                delta = _next(deltas, cancelled)
+                delta = _next(deltas, cancelled, keepalive_s)
                 if delta is None:
                     return
+                if delta is _SILENCE:
+                    yield StreamDelta(rid)  # not a yield of the interval's: last_yield stays
+                    continue
                 # Merge what comes until the interval is over, or the request finishes.
                 while delta.finish_reason is None:
                     wait = due - time.monotonic()
@@ -364,11 +372,23 @@ def _valid_lease_s(lease_s: object) -> bool:
     return math.isfinite(lease_s) and 0 < lease_s <= MAX_LEASE_S
 
 
-def _next(deltas: queue.SimpleQueue[StreamDelta], cancelled: Callable[[], bool]) -> Any:
-    """The next delta, or None once ``cancelled()`` says the caller went away."""
+_SILENCE = StreamDelta("")  # ``_next``'s "none came within keepalive_s"
+
+
+def _next(
+    deltas: queue.SimpleQueue[StreamDelta],
+    cancelled: Callable[[], bool],
+    keepalive_s: float | None,
+) -> StreamDelta | None:
+    """The next delta; ``_SILENCE`` when none came within ``keepalive_s``; None once
+    ``cancelled()`` says the caller went away."""
+    give_up = math.inf if keepalive_s is None else time.monotonic() + keepalive_s
     while not cancelled():
+        wait = min(CANCEL_POLL_S, give_up - time.monotonic())
+        if wait <= 0:
+            return _SILENCE
         try:
-            return deltas.get(timeout=CANCEL_POLL_S)
+            return deltas.get(timeout=wait)
         except queue.Empty:
             continue
     return None

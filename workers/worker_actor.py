@@ -93,10 +93,12 @@ class WorkerActor:
         resumed_token_ids: Sequence[int] = (),
         pull_plan: PullPlan | None = None,
         interval_s: float = 0.0,
+        keepalive_s: float | None = None,
     ) -> Iterator[StreamDelta]:
-        """The request's deltas as they come, at most one per ``interval_s`` (see
-        ``Worker.stream``). ``pull_plan``: the router's plan for the prefix (holder, depth),
-        used by the connector unless stale."""
+        """The request's deltas as they come, at most one per ``interval_s``, and an empty
+        one after each ``keepalive_s`` without any (see ``Worker.stream``). ``pull_plan``:
+        the router's plan for the prefix (holder, depth), used by the connector unless
+        stale."""
         # A caller that went away (a closed HTTP stream) cancels this task: a threaded actor
         # cannot be interrupted, so the stream asks (while it waits for a delta too: a
         # request still waiting for its turn sends none); it then aborts the request and
@@ -109,6 +111,7 @@ class WorkerActor:
             pull_plan=pull_plan,
             interval_s=interval_s,
             cancelled=cancelled,
+            keepalive_s=keepalive_s,
         )
         with contextlib.closing(stream):
             for delta in stream:
