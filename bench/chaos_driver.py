@@ -32,6 +32,7 @@ from bench.chaos_common import (
     summary,
     texts,
     wait_until,
+    whole_cluster,
 )
 from bench.chaos_index import index_hung, index_killed
 from bench.chaos_slow_link import slow_link
@@ -280,7 +281,7 @@ def soak(base_url: str, seconds: float, n: int, max_tokens: int, kill_every_s: f
         # The round's no-fault outputs, computed while the next round runs (at the end they
         # would add a minute to the suite).
         refs.append(computing.submit(reference, n, max_tokens, salt))
-    wait_until(lambda: len(stats().get("workers", {})) >= 2, 120)
+    whole_cluster()
     time.sleep(5.0)  # leases of the last pulls end; stats settle
     after = {k: _footprint(h) for k, h in watched.items()}
     workers = _processes()

@@ -276,8 +276,10 @@ class ClusterBackend:
                         f"{type(e).__name__}"
                     ) from None
                 logger.warning(
-                    "request %s: worker lost after %d tokens; resuming on another (%d/%d)",
+                    "request %s: worker %s lost (%s) after %d tokens; resuming on another (%d/%d)",
                     request.request_id,
+                    worker or "unknown",
+                    type(e).__name__,
                     len(generated),
                     migrations,
                     self.config.max_migrations,
