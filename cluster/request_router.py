@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -91,7 +92,7 @@ class KvAwareRequestRouter(RequestRouter):
     ) -> Plan | None:
         """Choose a worker and record the prompt as pending there; None if another router
         recorded the same prompt since our lookup (then decide again)."""
-        info = await self._index_call("route_lookup", request.chain) or {}
+        info = without(await self._index_call("route_lookup", request.chain) or {}, request.lost_on)
         views = self._views(replicas, info)
         choice = self.router.choose(sorted(replicas), views, request.num_context_tokens)
         n = self.router.hit_blocks(request.num_context_tokens)
@@ -207,6 +208,28 @@ def not_lost_on(
         return candidates
     lost = {replica_id_of(w) for w in request.lost_on}
     return [r for r in candidates if r.replica_id.unique_id not in lost] or candidates
+
+
+# ``route_lookup``'s maps of what each worker holds or owes (``nodes`` says where it is).
+_HOLDINGS = ("held", "tiers", "pending", "backlog", "queued")
+
+
+def without(info: dict, workers: Sequence[str]) -> dict:
+    """``info`` (``route_lookup``'s answer) as if ``workers`` held and owed nothing: a request
+    lost on a worker neither waits for it nor pulls from it. Its engine may be hung too (a
+    stopped process, a cut-off host): each pull planned from it waits out its pin's timeout
+    in the puller's one load thread, and the requests queued behind with it."""
+    if not workers or not info:
+        return info
+    gone = set(workers)
+    return {
+        **info,
+        **{
+            k: {w: v for w, v in info[k].items() if w not in gone}
+            for k in _HOLDINGS
+            if isinstance(info.get(k), dict)
+        },
+    }
 
 
 def _worker_request(pending: PendingRequest | None) -> WorkerRequest | None:

@@ -11,6 +11,10 @@ never waits on the index, a peer or a transfer. Two threads do the waiting:
   blocks the manager gave, release. The holder is the plan's when the plan is usable (the
   holder is among the peers the index lists), else a kept answer's; when neither is, or the
   pin is refused (the plan or answer was stale), it looks the index up itself, once.
+  A holder that leaves a pin unanswered (its process hung, its host cut off) is not asked
+  again for ``UNANSWERED_S``: with one load at a time, each load queued behind it would
+  otherwise wait out the same timeout (measured: a migrated burst's pulls from a hung holder
+  held its loads for 8-14 s).
 
 Results go back through a queue that ``poll_loads`` drains; ``wake`` tells the step thread.
 A read that failed but could not be stopped (``TransferInFlight``) is reported with
@@ -47,6 +51,10 @@ logger = logging.getLogger(__name__)
 ANSWER_TTL_S = 1.0  # a lookup's answer serves the lookups of this long after its first read
 MAX_ANSWERS = 4096  # answers kept at most (the oldest go first)
 QUARANTINE_POLL_S = 0.01  # how often a transfer that could not be stopped is checked on
+# How long a holder that left a pin unanswered is passed over: past the index's liveness
+# bound (it drops a worker that stopped answering), short enough that one that only paused
+# is asked again soon.
+UNANSWERED_S = 30.0
 IndexCall = Callable[..., Any]
 
 
@@ -119,6 +127,9 @@ class PullLoader:
         self._loads: queue.SimpleQueue[_LoadTask | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._quarantine: list[tuple[int, Callable[[], bool]]] = []  # load thread only
+        # Holders that left a pin unanswered, until when they are passed over (written by
+        # the load thread, read by the step thread too: replaced whole, never mutated).
+        self._unanswered: dict[str, float] = {}
         self.wake: Callable[[], None] = lambda: None
         self._threads = [
             threading.Thread(target=loop, name=f"{worker_id}-{name}", daemon=True)
@@ -184,7 +195,12 @@ class PullLoader:
                 return out
 
     def _usable(self, holder: str) -> bool:
-        return holder != self.worker_id and holder in self.directory
+        return holder != self.worker_id and holder in self.directory and self._answers_pins(holder)
+
+    def _answers_pins(self, holder: str) -> bool:
+        """False while ``holder`` is passed over for a pin it left unanswered."""
+        until = self._unanswered.get(holder)
+        return until is None or time.monotonic() >= until
 
     def _cap(self, holder: str, depth: int) -> int:
         """What a pull from ``holder`` can take: its pin cap, and nothing under the minimum."""
@@ -218,7 +234,7 @@ class PullLoader:
         except Exception as e:
             logger.warning("%s: index lookup failed (%s); computing", self.worker_id, e)
             return None, 0
-        depths = {w: d for w, d in depths.items() if w != exclude}
+        depths = {w: d for w, d in depths.items() if w != exclude and self._answers_pins(w)}
         if not depths:
             return None, 0
         nodes = {w: meta.get("node") for w, meta in self.directory.items()}
@@ -263,7 +279,7 @@ class PullLoader:
         """One load: the chosen holder, else (or when it refuses) the index's choice."""
         reads = _Reads()
         try:
-            if task.holder is not None:
+            if task.holder is not None and self._answers_pins(task.holder):
                 filled = self._pull(task, task.holder, len(task.hashes), reads)
                 if filled:
                     return reads.result(task.load_id, filled)
@@ -290,6 +306,9 @@ class PullLoader:
             except ray.exceptions.GetTimeoutError:
                 with contextlib.suppress(Exception):
                     ray.cancel(ref)
+                until = time.monotonic() + UNANSWERED_S
+                self._unanswered = {**self._unanswered, holder: until}
+                self.count("unanswered_pins")
                 raise
             if lease is None:  # evicted since the index heard of it: a stale hint
                 raise TransferError(f"{holder} refused the pin (no longer holds the blocks)")

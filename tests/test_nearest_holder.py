@@ -6,10 +6,13 @@ a worker pulled across the network from another host as often as from its own.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import ray
 
 from kvmesh.cluster.request_router import _holder
 from kvmesh.cluster.router import Router, WorkerView
@@ -17,7 +20,9 @@ from kvmesh.connector.async_load import PullLoader
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
 from kvmesh.connector.events import Stored
 from kvmesh.connector.holder_sets import nearest_holder
+from kvmesh.workers.kv_connector import PullPlan
 from tests.kv_index_helpers import BASE, FP, Index, batch
+from tests.ray_fixtures import ray_session  # noqa: F401
 
 BS = 16
 NODES = {"a1": "node-a", "a2": "node-a", "b1": "node-b", "b2": "node-b"}
@@ -103,3 +108,48 @@ def test_a_worker_that_looks_up_itself_pulls_from_its_own_host(loader: Any) -> N
     assert loader("b2")._query(BASE[:8]) == ("b1", 8)
     # The nearest refused or gone: the next one, across the network.
     assert loader("a2")._query(BASE[:8], exclude="a1") == ("b1", 8)
+
+
+def test_a_holder_that_leaves_a_pin_unanswered_is_passed_over(ray_session: None) -> None:  # noqa: F811
+    """A holder whose process hangs (a fault injected on purpose: its pin never answers).
+    The first load from it waits out the pin's timeout; the loads after it, queued on the
+    same one load thread, must not wait it out again, and a lookup no longer names it."""
+    hung = HungHolder.remote()
+    idx = Index(FP)
+    idx.register("a1", FP, {"node": "node-a", "handle": hung, "transport": {}})
+    assert idx.apply(batch("a1", 0, Stored(tuple(BASE[:8])))).status == "applied"
+
+    def index_call(method: str, *args: Any) -> Any:
+        return getattr(idx, method)(*args)
+
+    config = ClusterConnectorConfig(timeout_s=0.5)
+    transport = SimpleNamespace(add_peer=lambda *_: None)  # never reached: no pin answers
+    stats: dict[str, float] = {}
+    pl = PullLoader("a2", config, transport, index_call, lambda: False, stats, node="node-a")  # type: ignore[arg-type]
+    pl.refresh_directory()
+    try:
+        assert pl._query(BASE[:8]) == ("a1", 8)
+
+        def load(load_id: int) -> tuple[int, float]:
+            started = time.monotonic()
+            pl.start_load(load_id, BASE[:8], list(range(8)), PullPlan("a1", 8))
+            while not (done := pl.poll_loads()):
+                time.sleep(0.01)
+            return done[0].num_blocks, time.monotonic() - started
+
+        filled, first_s = load(1)
+        assert filled == 0 and first_s >= config.timeout_s
+        filled, second_s = load(2)
+        assert filled == 0 and second_s < config.timeout_s / 2, second_s
+        assert stats["unanswered_pins"] == 1
+        assert pl._query(BASE[:8]) == (None, 0)
+        assert pl.lookup(BASE[:8], PullPlan("a1", 8)) is None  # a stale plan: it asks the index
+    finally:
+        pl.close(5.0)
+        ray.kill(hung)
+
+
+@ray.remote
+class HungHolder:
+    def pin(self, hashes: Any, lease_s: float) -> None:
+        time.sleep(60)  # a stopped process answers no pin

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvmesh.cluster.cost_model import CostModel
-from kvmesh.cluster.request_router import _holder, not_lost_on
+from kvmesh.cluster.request_router import _holder, not_lost_on, without
 from kvmesh.cluster.router import Router, WorkerView
 from kvmesh.cluster.worker_deployment import worker_name
 from kvmesh.cluster.worker_request import WorkerRequest
@@ -373,3 +373,29 @@ def test_a_migration_is_not_routed_back_to_the_worker_it_was_lost_on() -> None:
     assert ids(None) == ids(fresh) == ["aaa", "bbb", "ccc"]
     assert ids(moved) == ["aaa", "ccc"]
     assert ids(moved, replicas[1:2]) == ["bbb"]  # the only one: better than nowhere
+
+
+def test_a_migration_neither_pulls_from_nor_waits_for_the_worker_it_was_lost_on() -> None:
+    """A request lost on a hung worker: its plan must not name that worker as the holder to
+    pull from, nor a prefix to wait for there. Before, the plan pulled from the hung holder
+    (still in the index), and each such pull waited out its pin's timeout in the new
+    worker's one load thread (chaos worker_hung: the load took 24 s against 16)."""
+    index = KvIndex("fp")
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    token = index.register("worker-hung", "fp")
+    assert index.apply(encode_batch(EventBatch("worker-hung", 0, (Stored(tuple(hashes)),))), token)
+    index.register("worker-b", "fp")
+    index.register("worker-c", "fp")
+    index.add_pending("worker-hung", hashes, 96)
+    info = index.route_lookup(hashes)
+    r = Router("kv_aware", BS)
+    assert _holder(info, "worker-b", r, 6) == "worker-hung"
+    moved = without(info, ("worker-hung",))
+    assert _holder(moved, "worker-b", r, 6) is None
+    assert all("worker-hung" not in moved[k] for k in ("held", "tiers", "pending", "queued"))
+    assert moved["nodes"] == info["nodes"]  # where a worker is stays known
+    assert without(info, ()) is info
+    # The views the router chooses by: nothing there to pull or wait for.
+    views = {w: WorkerView(depth=moved["held"].get(w, 0)) for w in ("worker-b", "worker-c")}
+    c = r.choose(["worker-b", "worker-c"], views, 6 * BS + 3)
+    assert c.wait_for is None and c.pull_blocks == 0
