@@ -1,11 +1,11 @@
 """Whether a worker call is alive. The worker sends an empty delta (a keep-alive) each
 health-check period in which it has nothing else to send for a request: its engine actor's
 stream does (``Worker.stream(keepalive_s=...)``), and so does the replica while it waits
-before calling the engine (for a peer's prefix: ``beating``). The ingress counts a call that
-sent nothing, not even that, for ``SILENT_PERIODS`` periods as lost (``live_deltas``), as it
-counts a dead replica: it cancels the call and moves the request to another worker, not back
-to one it was lost on while another is listed (``WorkerRequest.lost_on``; a keep-alive names
-its worker).
+before calling the engine (for a peer's prefix: ``beating``) and until the engine's first
+delta (``speaking_for``). The ingress counts a call that sent nothing, not even that, for
+``SILENT_PERIODS`` periods as lost (``live_deltas``), as it counts a dead replica: it cancels
+the call and moves the request to another worker, not back to one it was lost on while
+another is listed (``WorkerRequest.lost_on``; a keep-alive names its worker).
 
 Without it, a request on a replica whose process hangs (stopped, swapped out, its node cut
 off) waits for Serve to give up on the replica: three failed health checks and then a
@@ -54,6 +54,31 @@ async def beating(
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+
+
+async def speaking_for(
+    deltas: AsyncIterator[StreamDelta], period_s: float, beat: StreamDelta
+) -> AsyncIterator[StreamDelta]:
+    """``deltas`` (its engine's), with ``beat`` after each ``period_s`` until the first one
+    comes: the replica speaks for its engine until the engine speaks. The engine's call may
+    wait for one of its actor's stream threads (Ray queues calls past ``max_concurrency``)
+    and sends nothing meanwhile, not even a keep-alive; after its first delta, its own
+    keep-alives carry the call. Closing or cancelling it closes ``deltas``."""
+    first: asyncio.Future[StreamDelta | None] = asyncio.ensure_future(anext(deltas, None))
+    try:
+        # Closed at a beat, the beats' cleanup (cancel ``first``) must run before ``deltas``
+        # can be closed.
+        async with contextlib.aclosing(beating(first, period_s, beat)) as beats:
+            async for b in beats:
+                yield b
+        delta = first.result()
+        if delta is None:
+            return
+        yield delta
+        async for delta in deltas:
+            yield delta
+    finally:
+        await deltas.aclose()
 
 
 async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta]:

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.cost_model import CostModel
-from kvmesh.cluster.liveness import beating
+from kvmesh.cluster.liveness import beating, speaking_for
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
@@ -73,6 +73,12 @@ def pull_plan(plan: Plan | None, role: str) -> PullPlan | None:
     if plan.holder is not None and not plan.holder.startswith(f"{role}-"):
         return None
     return PullPlan(None)  # nothing to pull: the prefix is here, or nowhere
+
+
+async def _awaited(gen: Any) -> AsyncIterator[StreamDelta]:
+    """The deltas of the engine's streaming call (its refs, awaited in order)."""
+    async for ref in gen:
+        yield await ref
 
 
 def engine_config(config: ServeConfig) -> EngineConfig:
@@ -164,8 +170,9 @@ class WorkerDeployment:
         elif plan is not None and plan.local_blocks:
             waiting = self._wait_for_arrival(request.chain[: plan.local_blocks])
         if waiting is not None:
-            async for b in beating(waiting, period_s, beat):
-                yield b
+            async with contextlib.aclosing(beating(waiting, period_s, beat)) as beats:
+                async for b in beats:
+                    yield b
         queue = (plan.queue if plan is not None else 0) or 0
         gen = self.actor.generate_stream.remote(
             request.prompt_ids,
@@ -178,21 +185,21 @@ class WorkerDeployment:
         finished = False
         first = True
         try:
-            async for ref in gen:
-                delta: StreamDelta = await ref
-                if first and self.index is not None and not delta.is_empty:
-                    first = False
-                    # The prompt's blocks are computed: publish them now for waiting peers
-                    # (their Stored event also ends this request's pending entry). A prefill
-                    # waits for it: the decode request routed next must find them in the
-                    # index, or its plan names no holder and its worker pulls nothing.
-                    flushed = self.actor.flush_events.remote()
-                    if self.role == "prefill":
-                        await flushed
-                if delta.output is not None:
-                    finished = True
-                    self._observe(delta, queue)
-                yield delta
+            async with contextlib.aclosing(speaking_for(_awaited(gen), period_s, beat)) as deltas:
+                async for delta in deltas:
+                    if first and self.index is not None and not delta.is_empty:
+                        first = False
+                        # The prompt's blocks are computed: publish them now for waiting peers
+                        # (their Stored event also ends this request's pending entry). A prefill
+                        # waits for it: the decode request routed next must find them in the
+                        # index, or its plan names no holder and its worker pulls nothing.
+                        flushed = self.actor.flush_events.remote()
+                        if self.role == "prefill":
+                            await flushed
+                    if delta.output is not None:
+                        finished = True
+                        self._observe(delta, queue)
+                    yield delta
         except RayActorError:
             # The engine actor is gone: this replica can serve nothing more. Exit, so Serve
             # stops routing here and starts a replacement (the caller migrates the request).
