@@ -205,6 +205,12 @@ class ServeConfig:
         return [(n, c, m) for n, (_, c, m) in zip(names, self._scaling(), strict=True)]
 
     @property
+    def worker_max_ongoing_requests(self) -> int:
+        """Requests one worker replica takes at once (Serve's ``max_ongoing_requests``): its
+        batch and three more batches waiting in its scheduler."""
+        return self.max_num_seqs * 4
+
+    @property
     def worker_capacity(self) -> int:
         """Requests the workers that hold them (unified or decode) run at once, at their most
         replicas: ``max_num_seqs`` each. A prefill holds its request for one token only."""

@@ -32,7 +32,7 @@ from ray.serve import context as serve_context
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.liveness import SILENT_PERIODS, WorkerSilent, live_deltas
+from kvmesh.cluster.liveness import SILENT_PERIODS, LostWorkers, WorkerSilent, live_deltas
 from kvmesh.cluster.metrics import tier_totals
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
@@ -104,6 +104,7 @@ class ClusterBackend:
         self._loop: asyncio.AbstractEventLoop | None = None  # where requests run
         # A worker call that sent nothing, not even a keep-alive, this long is lost.
         self._silent_s = config.health_check_period_s * SILENT_PERIODS
+        self._lost = LostWorkers()  # avoided by every request for a while, not just the lost
 
     def drain(self, drain_s: float) -> None:
         """The app is stopping: refuse each new request (``Unavailable``, a 503) and end the
@@ -168,7 +169,7 @@ class ClusterBackend:
             list(resumed),
             fingerprint=self.info["fingerprint"] if self.config.connector else None,
             caller=self.caller,
-            lost_on=tuple(lost_on),
+            lost_on=tuple(dict.fromkeys([*lost_on, *self._lost.recent()])),
             interval_s=interval_s,
         )
 
@@ -269,6 +270,7 @@ class ClusterBackend:
                 worker = worker or (work.plan.worker if work.plan is not None else None)
                 if worker is not None:
                     lost_on.append(worker)
+                    self._lost.add(worker)
                 if migrations > self.config.max_migrations:
                     raise WorkerLostError(
                         f"request {request.request_id}: its worker was lost {migrations} times "
@@ -330,20 +332,26 @@ class ClusterBackend:
         work = self._worker_request(dataclasses.replace(request, params=params), ids, [], 0.0)
         own_call_id()
         stream = self.handles["prefill"].options(stream=True).generate.remote(work)
+        worker, done = None, False
         try:
             # The replica's first (empty) delta says it took the prompt.
-            await asyncio.wait_for(anext(stream), self.config.prefill_wait_s)
+            worker = (await asyncio.wait_for(anext(stream), self.config.prefill_wait_s)).worker
             async for delta in live_deltas(stream, self._silent_s):
                 if delta.output is not None:
+                    done = True
                     return delta.worker
         except TimeoutError:
-            stream.cancel()
             logger.warning(
                 "no prefill replica took the prompt within %.1f s; decode computes it",
                 self.config.prefill_wait_s,
             )
         except Exception as e:
+            if _is_lost(e) and worker is not None:
+                self._lost.add(worker)
             logger.warning("prefill failed (%s); decode computes the prompt", type(e).__name__)
+        finally:
+            if not done:  # timed out, lost, or its caller left: it must not run for nobody
+                stream.cancel()
         return None
 
     # -- observability ------------------------------------------------------------------------

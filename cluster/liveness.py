@@ -1,8 +1,8 @@
 """Whether a worker call is alive. The worker sends an empty delta (a keep-alive) each
 health-check period in which it has nothing else to send for a request: its engine actor's
 stream does (``Worker.stream(keepalive_s=...)``), and so does the replica while it waits
-before calling the engine (for a peer's prefix: ``beating``) and until the engine's first
-delta (``speaking_for``). The ingress counts a call that sent nothing, not even that, for
+before calling the engine (for a peer's prefix: ``beating``). The ingress counts a call that
+sent nothing, not even that, for
 ``SILENT_PERIODS`` periods as lost (``live_deltas``), as it counts a dead replica: it cancels
 the call and moves the request to another worker, not back to one it was lost on while
 another is listed (``WorkerRequest.lost_on``; a keep-alive names its worker).
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -29,10 +30,33 @@ from kvmesh.workers.outputs import StreamDelta
 # Health-check periods a worker call may stay silent before it counts as lost: the keep-alive
 # comes every period, so this leaves room for a busy event loop or a slow link.
 SILENT_PERIODS = 5
+# How long an ingress avoids a worker it lost a call on. Serve lists a hung replica for
+# about 90 s (three failed health checks, then a graceful stop it cannot answer), and each
+# request routed there meanwhile would wait out a silence of its own. Renewed at each loss;
+# a worker that only paused is used again after it.
+AVOID_S = 30.0
 
 
 class WorkerSilent(Exception):
     """A worker call sent nothing, not even a keep-alive, for ``SILENT_PERIODS`` periods."""
+
+
+class LostWorkers:
+    """The workers an ingress lost calls on lately (dead or silent): every request it sends
+    for ``avoid_s`` after carries them in its ``lost_on``, so the routers send it elsewhere
+    while another replica is listed, and kv_aware plans no pull from them."""
+
+    def __init__(self, avoid_s: float = AVOID_S) -> None:
+        self.avoid_s = avoid_s
+        self._until: dict[str, float] = {}
+
+    def add(self, worker: str) -> None:
+        self._until[worker] = time.monotonic() + self.avoid_s
+
+    def recent(self) -> tuple[str, ...]:
+        now = time.monotonic()
+        self._until = {w: t for w, t in self._until.items() if t > now}
+        return tuple(self._until)
 
 
 async def beating(
@@ -54,31 +78,6 @@ async def beating(
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-
-
-async def speaking_for(
-    deltas: AsyncIterator[StreamDelta], period_s: float, beat: StreamDelta
-) -> AsyncIterator[StreamDelta]:
-    """``deltas`` (its engine's), with ``beat`` after each ``period_s`` until the first one
-    comes: the replica speaks for its engine until the engine speaks. The engine's call may
-    wait for one of its actor's stream threads (Ray queues calls past ``max_concurrency``)
-    and sends nothing meanwhile, not even a keep-alive; after its first delta, its own
-    keep-alives carry the call. Closing or cancelling it closes ``deltas``."""
-    first: asyncio.Future[StreamDelta | None] = asyncio.ensure_future(anext(deltas, None))
-    try:
-        # Closed at a beat, the beats' cleanup (cancel ``first``) must run before ``deltas``
-        # can be closed.
-        async with contextlib.aclosing(beating(first, period_s, beat)) as beats:
-            async for b in beats:
-                yield b
-        delta = first.result()
-        if delta is None:
-            return
-        yield delta
-        async for delta in deltas:
-            yield delta
-    finally:
-        await deltas.aclose()
 
 
 async def live_deltas(stream: Any, silent_s: float) -> AsyncIterator[StreamDelta]:

@@ -220,7 +220,7 @@ def _worker_deployment(config: ServeConfig, role: str, count: int, most: int | N
     }
     options: dict[str, Any] = {
         "name": f"{WORKER_DEPLOYMENT_PREFIX}{role}",
-        "max_ongoing_requests": config.max_num_seqs * 4,
+        "max_ongoing_requests": config.worker_max_ongoing_requests,
         # Requests at one caller (an ingress replica's handle) not yet assigned a replica of
         # this role; Serve refuses more with a BackPressureError, which the ingress answers
         # 429. Serve counts a request as queued while its router is still choosing, so the

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.cost_model import CostModel
-from kvmesh.cluster.liveness import beating, speaking_for
+from kvmesh.cluster.liveness import beating
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
@@ -47,6 +47,9 @@ READY_TIMEOUT_S = 300.0  # model load on a cold node
 CALLER_CHECK_TIMEOUT_S = 10.0
 # Health checks in a row the engine actor left unanswered before it counts as hung.
 HUNG_AFTER_SILENT_CHECKS = 2
+# Engine stream threads beyond Serve's max_ongoing_requests: a cancelled call holds its
+# thread until its stream next asks (``CANCEL_POLL_S``), while the next call may come.
+STREAM_SPARE = 16
 
 
 def worker_name(role: str, replica_unique_id: str) -> str:
@@ -113,7 +116,13 @@ class WorkerDeployment:
             if self.config.connector
             else None
         )
-        cls = worker_actor_class(self.config.num_gpus_per_worker, self.config.num_cpus_per_worker)
+        # A thread for every call Serve may send here at once (and the few still ending after
+        # a cancel): a call queued for one would send no keep-alive, and its request would
+        # count as lost on a healthy, full worker.
+        streams = self.config.worker_max_ongoing_requests + STREAM_SPARE
+        cls = worker_actor_class(
+            self.config.num_gpus_per_worker, self.config.num_cpus_per_worker, streams
+        )
         threads = max(1, int(self.config.num_cpus_per_worker))
         self.actor = cls.options(name=None).remote(
             self.name, engine_config(self.config), conn, threads
@@ -185,7 +194,7 @@ class WorkerDeployment:
         finished = False
         first = True
         try:
-            async with contextlib.aclosing(speaking_for(_awaited(gen), period_s, beat)) as deltas:
+            async with contextlib.aclosing(_awaited(gen)) as deltas:
                 async for delta in deltas:
                     if first and self.index is not None and not delta.is_empty:
                         first = False

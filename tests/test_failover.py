@@ -226,6 +226,10 @@ def test_a_hung_worker_replicas_stream_moves(app) -> None:
     try:
         chunks, (worker, stopped_at) = _stream(app, body, 5, stop_the_replica)
         took = time.monotonic() - stopped_at
+        # Serve still lists the stopped replica: new requests avoid it too (round robin
+        # sent every other one there, each to wait out a silence of its own).
+        short = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        later = [app.generate.remote(short).result()["kvmesh"] for _ in range(4)]
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):  # Serve's own kill came first
@@ -234,6 +238,7 @@ def test_a_hung_worker_replicas_stream_moves(app) -> None:
     last = chunks[-1]["kvmesh"]
     assert last["migrations"] == 1 and last["worker"] != worker
     assert took < 10.0, f"the stream waited {took:.0f} s for its hung replica"
+    assert [(k["worker"] != worker, k["migrations"]) for k in later] == [(True, 0)] * 4
     _healed(app)
 
 
@@ -327,3 +332,19 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
             return False
 
     wait_for(idle, 60, "the replacement ingress to find the worker idle", every=0.5)
+
+
+def test_a_full_worker_keeps_every_call_alive(app) -> None:
+    """More calls at once on a worker than its engine actor had stream threads (64 before):
+    Ray queued the rest, which sent nothing, not even a keep-alive, so each counted as lost
+    on a healthy worker after ``SILENT_PERIODS`` periods (2.5 s here) and moved. The engine
+    actor now has a thread for every call Serve may send its replica."""
+    n = 160  # 80 a worker: round robin
+    bodies = [
+        {"prompt": [*PROMPT, i], "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+        for i in range(n)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        outs = list(pool.map(lambda b: app.generate.remote(b).result(), bodies))
+    assert [o["kvmesh"]["migrations"] for o in outs] == [0] * n
+    assert all(len(o["token_ids"]) == 300 for o in outs)

@@ -6,11 +6,17 @@ Serve in test_failover.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
-from kvmesh.cluster.liveness import WorkerSilent, beating, live_deltas, speaking_for
+from kvmesh.cluster.liveness import (
+    LostWorkers,
+    WorkerSilent,
+    beating,
+    live_deltas,
+)
 from kvmesh.workers.outputs import StreamDelta
 
 BEAT = StreamDelta("r", worker="w")
@@ -57,31 +63,6 @@ def test_keep_alives_keep_a_slow_call_alive() -> None:
     assert sum(d.is_empty for d in out) >= 5
 
 
-def test_the_replica_speaks_for_its_engine_until_the_engines_first_delta() -> None:
-    """An engine call queued for one of the actor's stream threads sends nothing, not even a
-    keep-alive, until it gets one (0.5 s here, 3x the ingress's bound): the replica beats
-    for it meanwhile. Without that the call counts as lost, a healthy but full worker's."""
-
-    async def go(engine: AsyncIterator[StreamDelta]) -> list[StreamDelta]:
-        return [d async for d in live_deltas(engine, 0.15)]
-
-    log: list[str] = []
-    out = _run(go(speaking_for(_slow([0.5, 0.0], log), 0.05, BEAT)))
-    assert [d.token_ids for d in out if not d.is_empty] == [[0], [1]]
-    assert sum(d.is_empty for d in out) >= 5 and log == ["done", "closed"]
-    with pytest.raises(WorkerSilent):
-        _run(go(_slow([0.5, 0.0], [])))
-
-    async def close_while_waiting(log: list[str]) -> None:
-        stream = speaking_for(_slow([10.0], log), 0.05, BEAT)
-        assert (await anext(stream)).is_empty
-        await stream.aclose()
-
-    log = []
-    _run(close_while_waiting(log))
-    assert log == ["cancelled", "closed"]  # the engine's call ends with it
-
-
 def test_a_silent_call_is_lost() -> None:
     async def go() -> list[StreamDelta]:
         return [d async for d in live_deltas(_slow([0.0, 10.0], log), 0.15)]
@@ -122,3 +103,17 @@ def test_closing_or_cancelling_a_wait_ends_it() -> None:
         log: list[str] = []
         _run(case(log))
         assert log == ["cancelled"], case.__name__
+
+
+def test_lost_workers_are_avoided_for_a_while_and_then_not() -> None:
+    lost = LostWorkers(avoid_s=0.2)
+    assert lost.recent() == ()
+    lost.add("worker-a")
+    lost.add("worker-b")
+    assert lost.recent() == ("worker-a", "worker-b")
+    time.sleep(0.1)
+    lost.add("worker-b")  # lost again: avoided for longer
+    time.sleep(0.15)
+    assert lost.recent() == ("worker-b",)
+    time.sleep(0.1)
+    assert lost.recent() == ()

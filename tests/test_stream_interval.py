@@ -130,6 +130,15 @@ def test_an_engine_held_up_sends_keep_alives_and_loses_nothing(worker: Worker) -
     beats = [d for d in out if d.is_empty]
     assert 3 <= len(beats) <= 7, len(beats)
     assert out[-1].output is not None
+    # Held before the request is even queued (the step thread takes it between two steps,
+    # and a step may be long): keep-alives while it waits for its place too.
+    hold = threading.Thread(target=worker.call, args=(lambda: time.sleep(0.5),))
+    hold.start()
+    time.sleep(0.05)
+    early = list(worker.stream(PROMPT, KEEP_PARAMS, keepalive_s=0.1))
+    hold.join()
+    assert [t for d in early for t in d.token_ids] == reference
+    assert all(d.is_empty for d in early[:3]), early[:3]
     # Without ``keepalive_s`` (a local caller) the stream sends none.
     plain = list(worker.stream(PROMPT, KEEP_PARAMS))
     assert not any(d.is_empty for d in plain)

@@ -35,6 +35,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -150,10 +151,14 @@ class Worker:
 
     def call(self, fn: Callable[[], T], timeout: float | None = None, peer: bool = False) -> T:
         """Run ``fn`` on the step thread and return its result."""
-        fut: Future = Future()
+        return self.submit(fn, peer).result(timeout)
+
+    def submit(self, fn: Callable[[], T], peer: bool = False) -> Future[T]:
+        """Queue ``fn`` for the step thread (commands run in order, between steps)."""
+        fut: Future[T] = Future()
         (self._peer_commands if peer else self._commands).put((fn, fut))
         self._wake.set()
-        return fut.result(timeout)
+        return fut
 
     def stream(
         self,
@@ -181,9 +186,10 @@ class Worker:
         deltas; True ends the stream and aborts the request, also one still waiting for its
         turn (it yields nothing until then: only a check while waiting sees its caller go).
         ``keepalive_s``: yield an empty delta (a keep-alive) after each ``keepalive_s`` with
-        none to yield (queued, loading its prefix, a long prefill), so that a caller across
-        the network tells a waiting request from a hung process (``cluster.liveness``); the
-        waits and the step thread are apart, so a long step does not silence it.
+        none to yield (queued, loading its prefix, a long
+        prefill), so that a caller across the network tells a waiting request from a hung
+        process (``cluster.liveness``); the waits and the step thread are apart, so a long
+        step does not silence it.
         """
         deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
         # Validates, and replays resumed tokens through the detokenizer, on this thread.
@@ -194,10 +200,15 @@ class Worker:
             resumed_token_ids=resumed_token_ids,
             pull_plan=pull_plan,
         )
-        rid = self.call(lambda: self.engine.enqueue(tracked))
+        rid = tracked.request.request_id
+        queued = self.submit(lambda: self.engine.enqueue(tracked))
         finished = False
         last_yield = -math.inf
         try:
+            # The step thread takes it between two steps, and a step may be long.
+            while not _done(queued, keepalive_s):
+                yield StreamDelta(rid)
+            queued.result()  # raises what enqueue raised (a request id already running)
             while not finished:
                 due = last_yield + interval_s
                 delta = _next(deltas, cancelled, keepalive_s)
@@ -220,7 +231,10 @@ class Worker:
                 yield delta
                 last_yield = time.monotonic()
         finally:
-            if not finished:  # the caller went away: free the request's blocks
+            # The caller went away: free the request's blocks (once it is queued: the abort
+            # runs after the enqueue, commands keep their order). One whose enqueue failed is
+            # another's id, not to abort.
+            if not finished and queued.exception() is None:
                 self.call(lambda: self.engine.abort(rid))
 
     def generate(
@@ -373,6 +387,12 @@ def _valid_lease_s(lease_s: object) -> bool:
 
 
 _SILENCE = StreamDelta("")  # ``_next``'s "none came within keepalive_s"
+
+
+def _done(fut: Future, keepalive_s: float | None) -> bool:
+    """Whether ``fut`` is done, waiting for it up to ``keepalive_s`` (None: until it is)."""
+    futures.wait([fut], keepalive_s)
+    return fut.done()
 
 
 def _next(

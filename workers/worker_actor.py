@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from kvmesh.workers.engine import ConnectorFactory
     from kvmesh.workers.engine_config import EngineConfig
 
-MAX_CONCURRENCY = 64  # streams
+MAX_STREAMS = 64  # streams at once, unless the caller says how many it may send
 PEER_BLOCKS_TIMEOUT_S = 30.0  # how long ``peer_blocks`` waits for the connector's answer
 CONCURRENCY_GROUPS = {"peers": 16, "control": 8}
 _peers = ray.method(concurrency_group="peers")
@@ -195,13 +195,17 @@ class WorkerActor:
         self.worker.shutdown()
 
 
-def worker_actor_class(num_gpus: float | None = None, num_cpus: float = 1) -> Any:
-    """``WorkerActor`` as a Ray actor class; ``num_gpus`` defaults to 1 when Ray sees a GPU."""
+def worker_actor_class(
+    num_gpus: float | None = None, num_cpus: float = 1, max_streams: int = MAX_STREAMS
+) -> Any:
+    """``WorkerActor`` as a Ray actor class; ``num_gpus`` defaults to 1 when Ray sees a GPU.
+    ``max_streams``: threads for streams, each held for a request's whole life; Ray queues a
+    call past them, and a queued call says nothing, not even a keep-alive."""
     if num_gpus is None:
         num_gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
     return ray.remote(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
-        max_concurrency=MAX_CONCURRENCY,
+        max_concurrency=max_streams,
         concurrency_groups=CONCURRENCY_GROUPS,
     )(WorkerActor)
