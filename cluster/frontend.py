@@ -31,12 +31,11 @@ from ray.exceptions import RayActorError
 from ray.serve import context as serve_context
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
+from kvmesh.cluster.cluster_stats import ClusterStats
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.liveness import SILENT_PERIODS, LostWorkers, WorkerSilent, live_deltas
-from kvmesh.cluster.metrics import tier_totals
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
-from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.bad_words import bad_words_token_ids, with_bad_words_token_ids
 from kvmesh.workers.block_hash import block_hashes, cache_namespace
 from kvmesh.workers.chat import (
@@ -50,7 +49,6 @@ from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.outputs import StreamDelta
 
 logger = logging.getLogger(__name__)
-STATS_TIMEOUT_S = 2.0
 SHUTTING_DOWN = "the server is shutting down; retry on another server"
 # How often a worker reports the progress of an answer sent whole (a migration resumes from
 # the last report; a cancelled request is aborted within about this long).
@@ -96,7 +94,7 @@ class ClusterBackend:
         self.max_model_len: int = self.info["max_model_len"]
         self.vocab_size: int = self.info["vocab_size"]
         self.namespace: bytes = self.info["namespace"]
-        self.index = get_index_actor(self.info["fingerprint"]) if config.connector else None
+        self._stats = ClusterStats(self.info["fingerprint"]) if config.connector else None
         self.caller = _current_actor()
         self.draining = False  # the app is stopping: new requests are refused
         self._ended = False  # the drain is over: running requests end too
@@ -357,43 +355,8 @@ class ClusterBackend:
     # -- observability ------------------------------------------------------------------------
 
     async def stats(self) -> dict[str, Any]:
-        """Per-worker queues and pool, index size, pull counters: from the workers the index
-        knows (a worker gone is gone from here too); empty parts while the index is down."""
-        if self.index is None:
-            return {}
-        for attempt in range(2):
-            try:
-                workers = await asyncio.wait_for(self.index.workers.remote(), STATS_TIMEOUT_S)
-                index = await asyncio.wait_for(self.index.stats.remote(), STATS_TIMEOUT_S)
-                break
-            except Exception as e:
-                logger.warning("index unavailable for stats: %s", type(e).__name__)
-                if attempt:
-                    return {}
-                # A killed index is recreated by name (the workers rejoin it): look it up.
-                self.index = get_index_actor(self.info["fingerprint"])
-        handles = {w: m["handle"] for w, m in workers.items() if m.get("handle") is not None}
-        occupancy = await asyncio.gather(
-            *(_within(h.occupancy.remote()) for h in handles.values()), return_exceptions=True
-        )
-        conns = await asyncio.gather(
-            *(_within(h.connector_stats.remote()) for h in handles.values()),
-            return_exceptions=True,
-        )
-        good = [c for c in conns if isinstance(c, dict)]
-        return {
-            "workers": {
-                w: o for w, o in zip(handles, occupancy, strict=True) if isinstance(o, dict)
-            },
-            "index_blocks": index.get("blocks", 0),
-            "pull_bytes": sum(c.get("pulled_bytes", 0) for c in good),
-            "pull_failures": sum(c.get("pull_failures", 0) for c in good),
-            "pull_s": sum(c.get("pull_s", 0.0) for c in good),
-            "pulls": sum(c.get("pulls", 0) for c in good),
-            "snapshots_sent": sum(c.get("snapshots_sent", 0) for c in good),
-            "index": index,
-            **tier_totals(good),
-        }
+        """The cluster's stats (``ClusterStats``); empty without the connector."""
+        return await self._stats.read() if self._stats is not None else {}
 
     def shutdown(self) -> None:
         """Nothing to stop: Serve owns the workers."""
@@ -411,7 +374,3 @@ def own_call_id() -> None:
     ctx = serve_context._get_serve_request_context()
     fresh = dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex)
     serve_context._serve_request_context.set(fresh)
-
-
-async def _within(ref: Any) -> Any:
-    return await asyncio.wait_for(ref, STATS_TIMEOUT_S)
