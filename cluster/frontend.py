@@ -265,7 +265,7 @@ class ClusterBackend:
                 migrations += 1
                 # Where it ran: its deltas (keep-alives too) say; before any came, where the
                 # router sent it.
-                worker = worker or (work.plan.worker if work.plan is not None else None)
+                worker = worker or work.routed_to
                 if worker is not None:
                     lost_on.append(worker)
                     self._lost.add(worker)

@@ -84,6 +84,7 @@ class KvAwareRequestRouter(RequestRouter):
                 plan = await self._plan(request, replicas, claim=False)
             assert plan is not None
             request.plan = plan
+            request.routed_to = plan.worker
         others = [r for w, r in sorted(replicas.items()) if w != plan.worker]
         return [[replicas[plan.worker]], others]
 
@@ -184,7 +185,8 @@ class KvAwareRequestRouter(RequestRouter):
 class RoundRobinRequestRouter(RequestRouter):
     """Each replica in turn (the baseline): no index, no queue lengths."""
 
-    def initialize_state(self, **_: Any) -> None:
+    def initialize_state(self, role: str = "worker", **_: Any) -> None:
+        self.role = role
         self._turn = itertools.count()
 
     async def choose_replicas(
@@ -194,9 +196,12 @@ class RoundRobinRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        candidates = not_lost_on(candidate_replicas, _worker_request(pending_request))
+        request = _worker_request(pending_request)
+        candidates = not_lost_on(candidate_replicas, request)
         ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
         i = next(self._turn) % len(ordered)
+        if request is not None:
+            request.routed_to = worker_name(self.role, ordered[i].replica_id.unique_id)
         return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]
 
 

@@ -49,6 +49,9 @@ class WorkerRequest:
     # Workers this request was lost on (dead, or silent: ``liveness``). Serve lists a hung
     # replica until its health checks fail, so the routers send a migration elsewhere.
     lost_on: tuple[str, ...] = ()
+    # The worker kvmesh's router chose first (Serve takes another of its ranked choices only
+    # when that one is full): where a call lost before it sent anything ran.
+    routed_to: str | None = None
 
     @property
     def num_context_tokens(self) -> int:

@@ -242,6 +242,26 @@ def test_a_hung_worker_replicas_stream_moves(app) -> None:
     _healed(app)
 
 
+def test_a_request_lost_before_its_hung_worker_said_anything_is_avoided_after(app) -> None:
+    """A replica stopped while idle: a request routed there sends nothing, not even a
+    keep-alive, so only the router knows where it went (``routed_to``). Once lost there, the
+    ingress avoids that worker for the requests after it. Before, round robin sent every
+    other request to the stopped replica, each to wait out a silence of its own."""
+    workers = sorted(app.stats.remote().result()["workers"])
+    stopped = workers[0]
+    pid = ray.get(replica_actor(stopped).__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        short = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+        sent = [app.generate.remote(short).result()["kvmesh"] for _ in range(4)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a crash now: Serve replaces it at once
+    assert all(k["worker"] != stopped for k in sent)
+    assert sum(k["migrations"] for k in sent) <= 1, [k["migrations"] for k in sent]
+    _healed(app)
+
+
 def test_index_killed_under_load_fails_no_request(app) -> None:
     fingerprint = served_fingerprint()
     bodies = [
