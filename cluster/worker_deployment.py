@@ -78,12 +78,6 @@ def pull_plan(plan: Plan | None, role: str) -> PullPlan | None:
     return PullPlan(None)  # nothing to pull: the prefix is here, or nowhere
 
 
-async def _awaited(gen: Any) -> AsyncIterator[StreamDelta]:
-    """The deltas of the engine's streaming call (its refs, awaited in order)."""
-    async for ref in gen:
-        yield await ref
-
-
 def engine_config(config: ServeConfig) -> EngineConfig:
     return EngineConfig(
         model=config.model,
@@ -194,21 +188,21 @@ class WorkerDeployment:
         finished = False
         first = True
         try:
-            async with contextlib.aclosing(_awaited(gen)) as deltas:
-                async for delta in deltas:
-                    if first and self.index is not None and not delta.is_empty:
-                        first = False
-                        # The prompt's blocks are computed: publish them now for waiting peers
-                        # (their Stored event also ends this request's pending entry). A prefill
-                        # waits for it: the decode request routed next must find them in the
-                        # index, or its plan names no holder and its worker pulls nothing.
-                        flushed = self.actor.flush_events.remote()
-                        if self.role == "prefill":
-                            await flushed
-                    if delta.output is not None:
-                        finished = True
-                        self._observe(delta, queue)
-                    yield delta
+            async for ref in gen:
+                delta: StreamDelta = await ref
+                if first and self.index is not None and not delta.is_empty:
+                    first = False
+                    # The prompt's blocks are computed: publish them now for waiting peers
+                    # (their Stored event also ends this request's pending entry). A prefill
+                    # waits for it: the decode request routed next must find them in the
+                    # index, or its plan names no holder and its worker pulls nothing.
+                    flushed = self.actor.flush_events.remote()
+                    if self.role == "prefill":
+                        await flushed
+                if delta.output is not None:
+                    finished = True
+                    self._observe(delta, queue)
+                yield delta
         except RayActorError:
             # The engine actor is gone: this replica can serve nothing more. Exit, so Serve
             # stops routing here and starts a replacement (the caller migrates the request).
