@@ -13,8 +13,8 @@ never waits on the index, a peer or a transfer. Two threads do the waiting:
   pin is refused (the plan or answer was stale), it looks the index up itself, once.
   A holder that leaves a pin unanswered (its process hung, its host cut off) is not asked
   again for ``UNANSWERED_S``: with one load at a time, each load queued behind it would
-  otherwise wait out the same timeout (measured: a migrated burst's pulls from a hung holder
-  held its loads for 8-14 s).
+  otherwise wait out the same timeout (seen in chaos worker_hung's logs: a pull from the
+  hung holder waited out its pin's 5-s timeout).
 
 Results go back through a queue that ``poll_loads`` drains; ``wake`` tells the step thread.
 A read that failed but could not be stopped (``TransferInFlight``) is reported with
