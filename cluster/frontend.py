@@ -33,9 +33,10 @@ from ray.serve import context as serve_context
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.cluster_stats import ClusterStats
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.liveness import SILENT_PERIODS, LostWorkers, WorkerSilent, live_deltas
+from kvmesh.cluster.liveness import AVOID_S, SILENT_PERIODS, WorkerSilent, live_deltas
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
+from kvmesh.connector.expiring import Expiring
 from kvmesh.workers.bad_words import bad_words_token_ids, with_bad_words_token_ids
 from kvmesh.workers.block_hash import block_hashes, cache_namespace
 from kvmesh.workers.chat import (
@@ -102,7 +103,10 @@ class ClusterBackend:
         self._loop: asyncio.AbstractEventLoop | None = None  # where requests run
         # A worker call that sent nothing, not even a keep-alive, this long is lost.
         self._silent_s = config.health_check_period_s * SILENT_PERIODS
-        self._lost = LostWorkers()  # avoided by every request for a while, not just the lost
+        # The workers this ingress lost calls on lately: every request it sends carries them
+        # in ``lost_on``, so the routers send it elsewhere while another replica is listed and
+        # kv_aware plans no pull from them. Renewed at each loss.
+        self._lost = Expiring(AVOID_S)
 
     def drain(self, drain_s: float) -> None:
         """The app is stopping: refuse each new request (``Unavailable``, a 503) and end the
@@ -167,7 +171,7 @@ class ClusterBackend:
             list(resumed),
             fingerprint=self.info["fingerprint"] if self.config.connector else None,
             caller=self.caller,
-            lost_on=tuple(dict.fromkeys([*lost_on, *self._lost.recent()])),
+            lost_on=tuple(dict.fromkeys([*lost_on, *self._lost.members()])),
             interval_s=interval_s,
         )
 

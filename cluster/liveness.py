@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -39,24 +38,6 @@ AVOID_S = 30.0
 
 class WorkerSilent(Exception):
     """A worker call sent nothing, not even a keep-alive, for ``SILENT_PERIODS`` periods."""
-
-
-class LostWorkers:
-    """The workers an ingress lost calls on lately (dead or silent): every request it sends
-    for ``avoid_s`` after carries them in its ``lost_on``, so the routers send it elsewhere
-    while another replica is listed, and kv_aware plans no pull from them."""
-
-    def __init__(self, avoid_s: float = AVOID_S) -> None:
-        self.avoid_s = avoid_s
-        self._until: dict[str, float] = {}
-
-    def add(self, worker: str) -> None:
-        self._until[worker] = time.monotonic() + self.avoid_s
-
-    def recent(self) -> tuple[str, ...]:
-        now = time.monotonic()
-        self._until = {w: t for w, t in self._until.items() if t > now}
-        return tuple(self._until)
 
 
 async def beating(

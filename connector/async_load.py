@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from kvmesh.connector.expiring import Expiring
 from kvmesh.connector.holder_sets import nearest_holder
 from kvmesh.connector.transport import BlockTransport, TransferError, TransferInFlight
 from kvmesh.workers.block_hash import BlockHash
@@ -127,9 +128,9 @@ class PullLoader:
         self._loads: queue.SimpleQueue[_LoadTask | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._quarantine: list[tuple[int, Callable[[], bool]]] = []  # load thread only
-        # Holders that left a pin unanswered, until when they are passed over (written by
-        # the load thread, read by the step thread too: replaced whole, never mutated).
-        self._unanswered: dict[str, float] = {}
+        # Holders that left a pin unanswered, passed over for a while (added by the load
+        # thread, read by the step thread too).
+        self._unanswered = Expiring(UNANSWERED_S)
         self.wake: Callable[[], None] = lambda: None
         self._threads = [
             threading.Thread(target=loop, name=f"{worker_id}-{name}", daemon=True)
@@ -195,12 +196,9 @@ class PullLoader:
                 return out
 
     def _usable(self, holder: str) -> bool:
-        return holder != self.worker_id and holder in self.directory and self._answers_pins(holder)
-
-    def _answers_pins(self, holder: str) -> bool:
-        """False while ``holder`` is passed over for a pin it left unanswered."""
-        until = self._unanswered.get(holder)
-        return until is None or time.monotonic() >= until
+        return (
+            holder != self.worker_id and holder in self.directory and holder not in self._unanswered
+        )
 
     def _cap(self, holder: str, depth: int) -> int:
         """What a pull from ``holder`` can take: its pin cap, and nothing under the minimum."""
@@ -234,7 +232,7 @@ class PullLoader:
         except Exception as e:
             logger.warning("%s: index lookup failed (%s); computing", self.worker_id, e)
             return None, 0
-        depths = {w: d for w, d in depths.items() if w != exclude and self._answers_pins(w)}
+        depths = {w: d for w, d in depths.items() if w != exclude and w not in self._unanswered}
         if not depths:
             return None, 0
         nodes = {w: meta.get("node") for w, meta in self.directory.items()}
@@ -279,7 +277,7 @@ class PullLoader:
         """One load: the chosen holder, else (or when it refuses) the index's choice."""
         reads = _Reads()
         try:
-            if task.holder is not None and self._answers_pins(task.holder):
+            if task.holder is not None and task.holder not in self._unanswered:
                 filled = self._pull(task, task.holder, len(task.hashes), reads)
                 if filled:
                     return reads.result(task.load_id, filled)
@@ -306,8 +304,7 @@ class PullLoader:
             except ray.exceptions.GetTimeoutError:
                 with contextlib.suppress(Exception):
                     ray.cancel(ref)
-                until = time.monotonic() + UNANSWERED_S
-                self._unanswered = {**self._unanswered, holder: until}
+                self._unanswered.add(holder)
                 self.count("unanswered_pins")
                 raise
             if lease is None:  # evicted since the index heard of it: a stale hint

@@ -1,7 +1,7 @@
-"""``liveness``: keep-alives while a replica waits (``beating``), and a silent call counted as
-lost. Plain asyncio generators and sleeps stand in for a slow or hung source (the fault under
-test). The engine's own keep-alives are in test_stream_interval.py, the hung replica on real
-Serve in test_failover.py."""
+"""``liveness``: keep-alives while a replica waits (``beating``), a silent call counted as
+lost, and the workers lost lately (``Expiring``). Plain asyncio generators and sleeps stand
+in for a slow or hung source (the fault under test). The engine's own keep-alives are in
+test_stream_interval.py, the hung replica on real Serve in test_failover.py."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvmesh.cluster.liveness import (
-    LostWorkers,
-    WorkerSilent,
-    beating,
-    live_deltas,
-)
+from kvmesh.cluster.liveness import WorkerSilent, beating, live_deltas
+from kvmesh.connector.expiring import Expiring
 from kvmesh.workers.outputs import StreamDelta
 
 BEAT = StreamDelta("r", worker="w")
@@ -106,14 +102,16 @@ def test_closing_or_cancelling_a_wait_ends_it() -> None:
 
 
 def test_lost_workers_are_avoided_for_a_while_and_then_not() -> None:
-    lost = LostWorkers(avoid_s=0.2)
-    assert lost.recent() == ()
+    lost = Expiring(0.2)
+    assert lost.members() == ()
     lost.add("worker-a")
     lost.add("worker-b")
-    assert lost.recent() == ("worker-a", "worker-b")
+    assert lost.members() == ("worker-a", "worker-b")
     time.sleep(0.1)
     lost.add("worker-b")  # lost again: avoided for longer
     time.sleep(0.15)
-    assert lost.recent() == ("worker-b",)
+    assert lost.members() == ("worker-b",)
+    assert "worker-b" in lost and "worker-a" not in lost
     time.sleep(0.1)
-    assert lost.recent() == ()
+    assert lost.members() == ()
+    assert "worker-b" not in lost
