@@ -48,7 +48,7 @@ from kvmesh.connector.transport import BlockTransport, TransferError, make_trans
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.engine import ConnectorContext
 from kvmesh.workers.kv_connector import KvCacheConnector, LoadResult, PullPlan
-from kvmesh.workers.worker import MAX_PINNED_FRACTION
+from kvmesh.workers.peer_leases import MAX_PINNED_FRACTION
 
 logger = logging.getLogger(__name__)
 # The first worker of a model starts the index actor: a new process, seconds on a busy host.
@@ -136,7 +136,7 @@ class ClusterKvConnector(KvCacheConnector):
             self.worker_id,
             self._fingerprint_id,
             # Peers find our transport info and actor handle here (pins go to the handle),
-            # and how many blocks we let them pin at most (Worker.max_pinned_blocks).
+            # and how many blocks we let them pin at most (PeerLeases.max_pinned_blocks).
             {
                 "transport": self.transport.local_info(),
                 "handle": self._handle,

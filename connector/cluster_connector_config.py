@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.connector.fault_transport import TransferFaults
 from kvmesh.workers.engine import ConnectorContext
-from kvmesh.workers.worker import MAX_LEASE_S
+from kvmesh.workers.peer_leases import MAX_LEASE_S
 
 if TYPE_CHECKING:
     from kvmesh.connector.cluster_connector import ClusterKvConnector

@@ -14,7 +14,7 @@ from kvmesh.connector.events import EventPublisher
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.connector.pending_entries import MAX_PENDING_TTL_S, UNCONFIRMED_TTL_S
 from kvmesh.workers.block_hash import block_hashes
-from kvmesh.workers.worker import MAX_LEASE_S
+from kvmesh.workers.peer_leases import MAX_LEASE_S
 from tests.cluster_helpers import flush, start_workers, stop_workers
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import wait_for

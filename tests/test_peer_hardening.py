@@ -21,7 +21,8 @@ from kvmesh.workers import worker as worker_module
 from kvmesh.workers import worker_actor
 from kvmesh.workers.block_hash import block_hashes
 from kvmesh.workers.engine_config import EngineConfig
-from kvmesh.workers.worker import MAX_LEASE_S, Worker
+from kvmesh.workers.peer_leases import MAX_LEASE_S
+from kvmesh.workers.worker import Worker
 
 BS = 4
 NUM_BLOCKS = 32
@@ -85,8 +86,8 @@ def test_export_blocks_refuses_an_expired_lease(worker: Worker) -> None:
         worker.export_blocks(lease, ids)
     # Expired but not yet swept: refused all the same.
     lease, ids = worker.pin(hashes_of(worker, 1, 2), 5.0) or ("", [])
-    with worker._lease_lock:
-        worker._leases[lease].expires_at = time.monotonic() - 1
+    with worker.leases.lock:
+        worker.leases.leases[lease].expires_at = time.monotonic() - 1
     with pytest.raises(PermissionError, match="no live lease"):
         worker.export_blocks(lease, ids)
     assert wait_for(lambda: worker.num_leases() == 0)
@@ -128,11 +129,11 @@ def test_pin_caps_the_blocks_pinned_per_call_and_in_total(worker: Worker) -> Non
         c = worker.pin(hashes_of(worker, 2, 6), 5.0)  # 16 in all: at the cap
         assert c is not None
         # A peer can never take more than half the pool from this worker's own requests.
-        assert worker.occupancy()["free_blocks"] >= NUM_BLOCKS - worker.max_pinned_blocks
+        assert worker.occupancy()["free_blocks"] >= NUM_BLOCKS - worker.leases.max_pinned_blocks
         worker.release(c[0])
     finally:
         worker.release(a[0])
-    assert worker.max_pinned_blocks == NUM_BLOCKS // 2
+    assert worker.leases.max_pinned_blocks == NUM_BLOCKS // 2
     assert worker.num_pinned() == 0 and worker.occupancy()["free_blocks"] == free_before
 
 

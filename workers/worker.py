@@ -14,16 +14,8 @@ Thread model (written down because three kinds of threads meet here):
   cannot deadlock: neither step thread waits for the other). Pins go through the KV cache
   manager (``KVCacheManager.pin``), which counts them in its integrity check.
 - KV bytes of pinned blocks are read by peers without the step thread (NIXL reads memory
-  directly; ``export_blocks`` copies it): pinned blocks are full and cached, so no step
-  writes them while the lease holds. ``export_blocks`` copies under the lease lock, which
-  the step thread takes to release a lease, so a lease cannot end (and its blocks be reused)
-  in the middle of a copy.
-
-Peers are not trusted (any Ray driver on the cluster can call a worker actor): a lease id is
-an unguessable capability (``secrets.token_hex``), ``export_blocks`` serves only blocks of a
-live lease the caller names, and ``pin`` refuses (None) a lease longer than ``MAX_LEASE_S``,
-more than ``MAX_LEASES`` leases, or pins that would hold more than ``MAX_PINNED_FRACTION``
-of the pool, so a peer cannot starve this worker's own requests of blocks.
+  directly; ``export_blocks`` copies it): ``PeerLeases`` (peer_leases.py) says why that is
+  safe, and what peers may and may not pin.
 """
 
 from __future__ import annotations
@@ -31,13 +23,11 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -47,22 +37,13 @@ from kvmesh.workers.engine import ConnectorFactory, LLMEngine
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
+from kvmesh.workers.peer_leases import PeerLeases, ToStage
 from kvmesh.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.01
 CANCEL_POLL_S = 0.1  # how often a stream waiting for its next delta asks if its caller left
-# Limits on what peers may pin (pins hold blocks away from this worker's own requests).
-MAX_LEASE_S = 30.0  # longest lease; a pull needs seconds at most
-MAX_PINNED_FRACTION = 0.5  # at most this share of the pool pinned at once, all leases together
-MAX_LEASES = 256  # live leases at once (each puller holds at most one per pull)
-
-
-@dataclass
-class Lease:
-    expires_at: float
-    block_ids: frozenset[int]  # held by the KV cache manager under the lease's id
 
 
 class Worker:
@@ -80,11 +61,7 @@ class Worker:
             queue.SimpleQueue()
         )
         self._wake = threading.Event()
-        self._leases: dict[str, Lease] = {}  # lease id (a secret) -> lease
-        self._pinned: dict[int, int] = {}  # block id -> how many leases pin it
-        # Guards _leases and _pinned: the step thread changes them, export_blocks reads them.
-        self._lease_lock = threading.Lock()
-        self.pins_refused = 0
+        self.leases = PeerLeases(worker_id, self.kv, self.engine.kv_cache)
         self._stop = threading.Event()
         self._progress_at = time.monotonic()  # the step thread's last finished iteration
         self.kv.connector.attach(self._wake.set)
@@ -125,10 +102,7 @@ class Worker:
     def serve_peers(self) -> None:
         """Run queued pin/release commands and release expired leases (step thread only)."""
         self._drain(self._peer_commands)
-        now = time.monotonic()
-        for lease_id in [i for i, lease in self._leases.items() if lease.expires_at < now]:
-            logger.warning("%s: lease %s... expired; releasing", self.worker_id, lease_id[:6])
-            self._release(lease_id)
+        self.leases.expire()
 
     @staticmethod
     def _drain(q: queue.SimpleQueue) -> None:
@@ -253,101 +227,40 @@ class Worker:
                 return delta.output
         raise RuntimeError("request ended without an output")
 
-    @property
-    def max_pinned_blocks(self) -> int:
-        """The most blocks peers may hold pinned at once, all leases together."""
-        return int(self.kv.num_blocks * MAX_PINNED_FRACTION)
-
     def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
         """Hold the cached blocks of ``hashes`` for a peer; (lease id, block ids) or None.
 
         All or nothing: None when any hash is no longer cached here, and None (refused, the
-        peer computes instead) when ``lease_s`` is not a finite number in (0, MAX_LEASE_S],
-        ``hashes`` is empty, MAX_LEASES leases are live, or the pins would hold more than
-        ``max_pinned_blocks`` blocks. The lease id is a secret: only its holder can read
+        peer computes instead) past ``PeerLeases``'s limits (the lease's length, how many
+        leases, how many blocks pinned). The lease id is a secret: only its holder can read
         the blocks (``export_blocks``) or release them. Blocks the pool lacks but the tiers
         hold are promoted into the pool first; those kept only on disk are read here, on
         the caller's thread, between two calls into the step thread.
         """
         hashes = list(hashes)
-        result = self.call(lambda: self._pin(hashes, lease_s, {}), peer=True)
-        if isinstance(result, _ToStage):  # part of it is on disk: read here, off the step thread
+        result = self.call(lambda: self.leases.grant(hashes, lease_s, {}), peer=True)
+        if isinstance(result, ToStage):  # part of it is on disk: read here, off the step thread
             staged = self.kv.connector.stage(result.hashes)
-            result = self.call(lambda: self._pin(hashes, lease_s, staged), peer=True)
-        return None if isinstance(result, _ToStage) else result
+            result = self.call(lambda: self.leases.grant(hashes, lease_s, staged), peer=True)
+        return None if isinstance(result, ToStage) else result
 
     def release(self, lease_id: str) -> None:
-        self.call(lambda: self._release(lease_id), peer=True)
-
-    def _pin(
-        self, hashes: list[BlockHash], lease_s: float, staged: dict[BlockHash, bytes]
-    ) -> tuple[str, list[int]] | _ToStage | None:
-        if (
-            not _valid_lease_s(lease_s)
-            or not hashes
-            or len(hashes) > self.max_pinned_blocks
-            or len(self._leases) >= MAX_LEASES
-        ):
-            return self._refuse_pin(f"{len(hashes)} blocks for {lease_s!r} s")
-        need = self.kv.to_stage(hashes, staged)
-        if need:
-            return _ToStage(tuple(need))
-        lease_id = secrets.token_hex(16)
-        block_ids = self.kv.pin(lease_id, hashes, staged)
-        if block_ids is None:  # not all of them cached here (any more)
-            return None
-        ids = frozenset(block_ids)
-        if len(ids.union(self._pinned)) > self.max_pinned_blocks:
-            self.kv.unpin(lease_id)
-            return self._refuse_pin(f"{len(ids)} blocks ({len(self._pinned)} pinned already)")
-        with self._lease_lock:
-            self._leases[lease_id] = Lease(time.monotonic() + lease_s, ids)
-            for b in ids:
-                self._pinned[b] = self._pinned.get(b, 0) + 1
-        return lease_id, block_ids
-
-    def _refuse_pin(self, what: str) -> None:
-        self.pins_refused += 1
-        logger.warning("%s: refused to pin %s", self.worker_id, what)
-        return None
-
-    def _release(self, lease_id: str) -> None:
-        with self._lease_lock:  # waits for an export of this lease's blocks to finish
-            lease = self._leases.pop(lease_id, None) if isinstance(lease_id, str) else None
-            if lease is None:
-                return
-            for b in lease.block_ids:
-                if self._pinned[b] == 1:
-                    del self._pinned[b]
-                else:
-                    self._pinned[b] -= 1
-        self.kv.unpin(lease_id)
+        self.call(lambda: self.leases.release(lease_id), peer=True)
 
     def export_blocks(self, lease_id: str, block_ids: Sequence[int]) -> np.ndarray:
-        """The KV bytes of blocks pinned under the live lease ``lease_id``, in order
-        (`KVCache.export_blocks`).
-
-        Raises PermissionError, and returns no bytes, for an unknown or expired lease, or a
-        block id that lease does not pin.
-        """
-        ids = list(block_ids)
-        with self._lease_lock:  # the lease cannot end while we copy
-            lease = self._leases.get(lease_id) if isinstance(lease_id, str) else None
-            if lease is None or lease.expires_at < time.monotonic():
-                raise PermissionError(f"{self.worker_id}: no live lease with that id")
-            if not all(type(b) is int and b in lease.block_ids for b in ids):
-                raise PermissionError(f"{self.worker_id}: blocks not under that lease asked for")
-            return self.engine.kv_cache.export_blocks(ids)
+        """``PeerLeases.export``: raises PermissionError unless the live lease ``lease_id``
+        pins those blocks."""
+        return self.leases.export(lease_id, block_ids)
 
     def cached_hashes(self) -> list[BlockHash]:
         return self.call(self.kv.cached_hashes)
 
     def num_leases(self) -> int:
-        return self.call(lambda: len(self._leases), peer=True)
+        return self.call(lambda: len(self.leases.leases), peer=True)
 
     def num_pinned(self) -> int:
         """Blocks pinned by live leases now (each counted once)."""
-        return self.call(lambda: len(self._pinned), peer=True)
+        return self.call(lambda: len(self.leases.pinned), peer=True)
 
     def occupancy(self) -> dict[str, int]:
         """Queue lengths, for routers. ``running`` counts every admitted request, those
@@ -361,7 +274,7 @@ class Worker:
                 "loading": len(sched.loading),
                 "waiting": len(sched.waiting),
                 "free_blocks": self.kv.num_free_blocks,
-                "room_blocks": self.kv.num_blocks - len(self._pinned),
+                "room_blocks": self.kv.num_blocks - len(self.leases.pinned),
             }
         )
 
@@ -370,20 +283,6 @@ class Worker:
         self._wake.set()
         self._thread.join(timeout=5)
         self.kv.connector.close()
-
-
-@dataclass(frozen=True)
-class _ToStage:
-    """A pin's answer from the step thread: read these blocks' disk copies, then pin again."""
-
-    hashes: tuple[BlockHash, ...]
-
-
-def _valid_lease_s(lease_s: object) -> bool:
-    """A lease length peers may ask for: a finite real number in (0, MAX_LEASE_S]."""
-    if isinstance(lease_s, bool) or not isinstance(lease_s, int | float):
-        return False
-    return math.isfinite(lease_s) and 0 < lease_s <= MAX_LEASE_S
 
 
 _SILENCE = StreamDelta("")  # ``_next``'s "none came within keepalive_s"
