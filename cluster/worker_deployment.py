@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 # Longest a request waits for a peer's in-flight prefix before it computes it itself.
 PENDING_WAIT_S = 60.0
 READY_TIMEOUT_S = 300.0  # model load on a cold node
+ENGINE_NAMESPACE = "kvmesh"  # the engine actors' names (``engine_actor_name``)
 # Longest a caller's liveness check may take; one that does not answer is not known dead.
 CALLER_CHECK_TIMEOUT_S = 10.0
 # Health checks in a row the engine actor left unanswered before it counts as hung.
@@ -54,6 +55,11 @@ STREAM_SPARE = 16
 
 def worker_name(role: str, replica_unique_id: str) -> str:
     return f"{role}-{replica_unique_id}"
+
+
+def engine_actor_name(worker: str) -> str:
+    """The name of worker ``worker``'s engine actor (in ``ENGINE_NAMESPACE``)."""
+    return f"kvmesh-engine-{worker}"
 
 
 def replica_id_of(worker: str) -> str:
@@ -118,7 +124,9 @@ class WorkerDeployment:
             self.config.num_gpus_per_worker, self.config.num_cpus_per_worker, streams
         )
         threads = max(1, int(self.config.num_cpus_per_worker))
-        self.actor = cls.options(name=None).remote(
+        # Named, so an ingress that lost a call here can ask it whether it answers again.
+        name = engine_actor_name(self.name)
+        self.actor = cls.options(name=name, namespace=ENGINE_NAMESPACE).remote(
             self.name, engine_config(self.config), conn, threads
         )
         self.info: dict[str, Any] = ray.get(self.actor.ready.remote(), timeout=READY_TIMEOUT_S)

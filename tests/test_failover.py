@@ -262,6 +262,33 @@ def test_a_request_lost_before_its_hung_worker_said_anything_is_avoided_after(ap
     _healed(app)
 
 
+def test_a_worker_that_answers_again_is_used_again(app) -> None:
+    """A replica that stopped answering for a few seconds (a paused process; a cut link that
+    came back) and then answers: the ingress avoids it only until it answers a probe. Before,
+    it was avoided for ``AVOID_S`` (30 s) after the loss, and the other worker took every
+    request meanwhile."""
+    workers = sorted(app.stats.remote().result()["workers"])
+    paused = workers[0]
+    pid = ray.get(replica_actor(paused).__ray_call__.remote(lambda _: os.getpid()))
+    short = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    os.kill(pid, signal.SIGSTOP)
+    try:  # shorter than Serve's health-check timeout (5 s here): the replica stays listed
+        moved = [app.generate.remote(short).result()["kvmesh"] for _ in range(2)]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    assert [k["migrations"] for k in moved].count(1) == 1, moved  # one was lost there
+    assert all(k["worker"] != paused for k in moved)
+
+    def served_by_paused() -> bool:
+        return any(app.generate.remote(short).result()["kvmesh"]["worker"] == paused for _ in "ab")
+
+    wait_for(served_by_paused, 10, "a request on the worker that answers again", every=0.2)
+    took = time.monotonic() - resumed
+    assert took < 5.0, f"the worker was avoided {took:.1f} s after it answered again"
+    _healed(app)
+
+
 def test_index_killed_under_load_fails_no_request(app) -> None:
     fingerprint = served_fingerprint()
     bodies = [

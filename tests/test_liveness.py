@@ -115,3 +115,7 @@ def test_lost_workers_are_avoided_for_a_while_and_then_not() -> None:
     time.sleep(0.1)
     assert lost.members() == ()
     assert "worker-b" not in lost
+    lost.add("worker-a")
+    lost.add("worker-b")
+    lost.discard("worker-a")  # it answers again
+    assert lost.members() == ("worker-b",)

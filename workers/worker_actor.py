@@ -58,6 +58,7 @@ class WorkerActor:
         if num_threads is not None:
             torch.set_num_threads(max(1, num_threads))
         self.worker = Worker(worker_id, config, connector)
+        self._checked_at = time.monotonic()  # the last ``health`` call: its replica's check
 
     @_control
     def ready(self) -> dict[str, Any]:
@@ -187,8 +188,21 @@ class WorkerActor:
 
     @_control
     def health(self, stall_s: float) -> None:
-        """Raises when the step thread died or made no progress for ``stall_s`` with work."""
+        """Raises when the step thread died or made no progress for ``stall_s`` with work.
+        Its replica calls it each health-check period (``answers`` counts on that)."""
+        self._checked_at = time.monotonic()
         self.worker.check_health(stall_s)
+
+    @_control
+    def answers(self, stall_s: float, within_s: float) -> bool:
+        """Whether this worker would serve a request now: its step thread is fine, and its
+        replica called ``health`` within ``within_s`` (a stopped replica stops calling). An
+        ingress asks a worker it lost a call on, to route requests there again."""
+        try:
+            self.worker.check_health(stall_s)
+        except RuntimeError:
+            return False
+        return time.monotonic() - self._checked_at <= within_s
 
     @_control
     def shutdown(self) -> None:
