@@ -33,10 +33,9 @@ from ray.serve import context as serve_context
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
 from kvmesh.cluster.cluster_stats import ClusterStats
 from kvmesh.cluster.config import ServeConfig
-from kvmesh.cluster.liveness import AVOID_S, SILENT_PERIODS, WorkerSilent, live_deltas
-from kvmesh.cluster.worker_deployment import ENGINE_NAMESPACE, READY_TIMEOUT_S, engine_actor_name
+from kvmesh.cluster.liveness import SILENT_PERIODS, LostWorkers, WorkerSilent, live_deltas
+from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
-from kvmesh.connector.expiring import Expiring
 from kvmesh.workers.bad_words import bad_words_token_ids, with_bad_words_token_ids
 from kvmesh.workers.block_hash import block_hashes, cache_namespace
 from kvmesh.workers.chat import (
@@ -105,10 +104,8 @@ class ClusterBackend:
         self._silent_s = config.health_check_period_s * SILENT_PERIODS
         # The workers this ingress lost calls on lately: every request it sends carries them
         # in ``lost_on``, so the routers send it elsewhere while another replica is listed and
-        # kv_aware plans no pull from them. Renewed at each loss, and ended early once the
-        # worker answers a probe (``_probe``).
-        self._lost = Expiring(AVOID_S)
-        self._probes: dict[str, asyncio.Task] = {}  # worker -> its probe, while avoided
+        # kv_aware plans no pull from them.
+        self._lost = LostWorkers(config.health_check_period_s, config.health_stall_s)
 
     def drain(self, drain_s: float) -> None:
         """The app is stopping: refuse each new request (``Unavailable``, a 503) and end the
@@ -274,7 +271,7 @@ class ClusterBackend:
                 worker = worker or work.routed_to
                 if worker is not None:
                     lost_on.append(worker)
-                    self._avoid(worker)
+                    self._lost.add(worker)
                 if migrations > self.config.max_migrations:
                     raise WorkerLostError(
                         f"request {request.request_id}: its worker was lost {migrations} times "
@@ -351,46 +348,12 @@ class ClusterBackend:
             )
         except Exception as e:
             if _is_lost(e) and worker is not None:
-                self._avoid(worker)
+                self._lost.add(worker)
             logger.warning("prefill failed (%s); decode computes the prompt", type(e).__name__)
         finally:
             if not done:  # timed out, lost, or its caller left: it must not run for nobody
                 stream.cancel()
         return None
-
-    # -- workers lost lately ------------------------------------------------------------------
-
-    def _avoid(self, worker: str) -> None:
-        """Send no request to ``worker`` for a while: until it answers a probe, or for
-        ``AVOID_S`` if it never does (a hung replica Serve still lists)."""
-        self._lost.add(worker)
-        if worker not in self._probes:
-            task = asyncio.get_running_loop().create_task(self._probe(worker))
-            self._probes[worker] = task
-            task.add_done_callback(lambda _: self._probes.pop(worker, None))
-
-    async def _probe(self, worker: str) -> None:
-        """Each health-check period while ``worker`` is avoided, ask its engine actor whether
-        it answers (``WorkerActor.answers``: its step thread is fine and its replica checks
-        on it); the first yes ends the avoidance. So a worker that paused, or whose link was
-        cut and came back, serves again within a period or two of answering, not
-        ``AVOID_S`` after it was lost; a hung replica or engine stays avoided."""
-        period_s = self.config.health_check_period_s
-        engine: Any = None
-        while worker in self._lost:
-            await asyncio.sleep(period_s)
-            try:
-                engine = engine or await asyncio.to_thread(
-                    ray.get_actor, engine_actor_name(worker), ENGINE_NAMESPACE
-                )
-                answers = engine.answers.remote(self.config.health_stall_s, 3 * period_s)
-                if await asyncio.wait_for(answers, period_s):
-                    self._lost.discard(worker)
-                    logger.info("worker %s answers again; routing requests to it", worker)
-            except ValueError:  # no such actor: the worker is gone (its replacement has a
-                return  # name of its own)
-            except Exception:  # no answer in time, or none yet: ask again
-                continue
 
     # -- observability ------------------------------------------------------------------------
 

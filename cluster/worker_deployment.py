@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.cost_model import CostModel
-from kvmesh.cluster.liveness import beating
+from kvmesh.cluster.liveness import ENGINE_NAMESPACE, beating, engine_actor_name
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.worker_request import Plan, WorkerRequest
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 # Longest a request waits for a peer's in-flight prefix before it computes it itself.
 PENDING_WAIT_S = 60.0
 READY_TIMEOUT_S = 300.0  # model load on a cold node
-ENGINE_NAMESPACE = "kvmesh"  # the engine actors' names (``engine_actor_name``)
 # Longest a caller's liveness check may take; one that does not answer is not known dead.
 CALLER_CHECK_TIMEOUT_S = 10.0
 # Health checks in a row the engine actor left unanswered before it counts as hung.
@@ -55,11 +54,6 @@ STREAM_SPARE = 16
 
 def worker_name(role: str, replica_unique_id: str) -> str:
     return f"{role}-{replica_unique_id}"
-
-
-def engine_actor_name(worker: str) -> str:
-    """The name of worker ``worker``'s engine actor (in ``ENGINE_NAMESPACE``)."""
-    return f"kvmesh-engine-{worker}"
 
 
 def replica_id_of(worker: str) -> str:
