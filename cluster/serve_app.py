@@ -46,6 +46,7 @@ from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.handle_generate import chunk_dict, completion_dict, parse_request
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
+from kvmesh.cluster.liveness import SILENT_PERIODS
 from kvmesh.cluster.metrics import ServeMetrics
 from kvmesh.cluster.openai_requests import chat_choices, completion_choices
 from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
@@ -298,6 +299,13 @@ def build_app(args: dict[str, Any], owner: str | None = None) -> serve.Applicati
         max_queued_requests=INGRESS_SPARE_SLOTS,
         backpressure_config=_backpressure(config),
         graceful_shutdown_timeout_s=config.drain_timeout_s + INGRESS_STOP_MARGIN_S,
+        # Serve's proxy sends a hung ingress replica (a stopped process, a cut-off node) its
+        # share of new requests, each to hang, until three health checks in a row fail: ~90 s
+        # with Serve's default check (every 10 s, a 30-s timeout). The workers' period and a
+        # timeout of SILENT_PERIODS periods, as for a worker call, make it ~3 x 10 s. The
+        # check is Serve's own (the actor answers), so a busy event loop still passes it.
+        health_check_period_s=config.health_check_period_s,
+        health_check_timeout_s=config.health_check_period_s * SILENT_PERIODS,
         # The workers need the cores.
         ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress_resources)},
     )

@@ -14,13 +14,11 @@ import re
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import openai
 import pytest
 import ray
 
-from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
 from kvmesh.connector.index_actor import get_index_actor
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import (
@@ -29,7 +27,6 @@ from tests.serve_helpers import (
     process_alive,
     redeploy,
     replica_actor,
-    replica_log,
     running_replicas,
     served_fingerprint,
     tiny_config,
@@ -321,64 +318,6 @@ def test_index_killed_under_load_fails_no_request(app) -> None:
         for _ in range(2)
     ]
     assert outs[1]["kvmesh"]["computed_tokens"] < len(prompt)
-
-
-def _long_http_stream(app, config, max_tokens: int) -> Any:
-    """An HTTP stream of ``max_tokens`` (ignoring EOS), read for 10 chunks: its worker busy."""
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none", max_retries=0
-    )
-    stream = client.completions.create(
-        model=config.model_name,
-        prompt=PROMPT,
-        max_tokens=max_tokens,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    for _, _chunk in zip(range(10), stream, strict=False):
-        pass
-    assert wait_for(lambda: busy_worker(app), 10, "the busy worker")
-    return stream
-
-
-def test_a_client_that_hangs_up_frees_the_worker(served) -> None:
-    """A stream closed by its HTTP client is aborted on its worker within a second or two
-    (the request leaves the batch and frees its blocks)."""
-    app, config = served
-    stream = _long_http_stream(app, config, 1500)
-    stream.close()
-    closed = time.monotonic()
-    wait_for(lambda: busy_worker(app) is None, 10, "the worker to drop the request", every=0.05)
-    assert time.monotonic() - closed < 2.0
-
-
-def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -> None:
-    """An ingress replica killed mid-request: Ray does not cancel the worker's actor task
-    of a caller that died, so the worker replica checks its callers and aborts the request
-    within a few health-check periods, instead of running it to max_tokens for nobody."""
-    app, config = served
-    stream = _long_http_stream(app, config, 1900)
-    ingress = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#KvmeshServer#")
-    ]
-    assert len(ingress) == 1
-    ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
-    killed = time.monotonic()
-    aborted = "the caller of 1 running requests is gone; aborting them"
-    log = f"{WORKER_DEPLOYMENT_PREFIX}worker"
-    wait_for(lambda: aborted in replica_log(log), 10, "the worker to abort", every=0.1)
-    assert time.monotonic() - killed < 5.0
-    stream.close()
-
-    def idle() -> bool:
-        try:
-            return busy_worker(app) is None
-        except Exception:  # the handle's call reached the dead ingress: it is being replaced
-            return False
-
-    wait_for(idle, 60, "the replacement ingress to find the worker idle", every=0.5)
 
 
 def test_a_full_worker_keeps_every_call_alive(app) -> None:
