@@ -26,6 +26,7 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
+from kvmesh.cluster.callers import Callers
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.cost_model import CostModel
 from kvmesh.cluster.liveness import ENGINE_NAMESPACE, beating, engine_actor_name
@@ -43,8 +44,6 @@ logger = logging.getLogger(__name__)
 # Longest a request waits for a peer's in-flight prefix before it computes it itself.
 PENDING_WAIT_S = 60.0
 READY_TIMEOUT_S = 300.0  # model load on a cold node
-# Longest a caller's liveness check may take; one that does not answer is not known dead.
-CALLER_CHECK_TIMEOUT_S = 10.0
 # Health checks in a row the engine actor left unanswered before it counts as hung.
 HUNG_AFTER_SILENT_CHECKS = 2
 # Engine stream threads beyond Serve's max_ongoing_requests: a cancelled call holds its
@@ -132,9 +131,7 @@ class WorkerDeployment:
         self._closed = False
         # Prefixes requests here are waiting for (from a peer), by their last block's hash.
         self._arriving: dict[bytes, asyncio.Event] = {}
-        # The tasks running requests, by their caller's actor handle (see ``_watch_callers``).
-        self._callers: dict[Any, set[asyncio.Task]] = {}
-        self._watcher: asyncio.Task | None = None
+        self.callers = Callers(self.name, self.config.health_check_period_s)
         self._silent_checks = 0  # health checks in a row the engine left unanswered
         logger.info("worker %s ready", self.name)
 
@@ -146,7 +143,7 @@ class WorkerDeployment:
         """Run one request; yields its deltas (the last one carries the whole output), and
         an empty one each health-check period it has nothing else to send: the caller's sign
         that this replica and its engine live (``liveness``)."""
-        task = self._watch(request.caller)
+        task = self.callers.add(request.caller)
         try:
             # Closed here at a yield, ``_run``'s cleanup (cancel the engine's call) runs now.
             async with contextlib.aclosing(self._run(request)) as deltas:
@@ -154,7 +151,10 @@ class WorkerDeployment:
                     delta.worker = self.name
                     yield delta
         finally:
-            self._unwatch(request.caller, task)
+            self.callers.discard(request.caller, task)
+            # Ray's end of this call waits, holding this replica's event loop, until the
+            # caller acknowledged every delta: end it only once the caller answers.
+            await self.callers.answered(request.caller)
 
     async def _run(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         beat = StreamDelta(request.request_id)
@@ -216,52 +216,6 @@ class WorkerDeployment:
                 ray.cancel(gen)
             if plan is not None and plan.pending_id is not None and self.index is not None:
                 self.index.drop_pending.remote(plan.pending_id)
-
-    def _watch(self, caller: Any) -> asyncio.Task | None:
-        """Count the running request's task under its caller, and make sure someone checks
-        that the caller lives. None when there is no caller to watch."""
-        task = asyncio.current_task()
-        if caller is None or task is None:
-            return None
-        self._callers.setdefault(caller, set()).add(task)
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.create_task(self._watch_callers())
-        return task
-
-    def _unwatch(self, caller: Any, task: asyncio.Task | None) -> None:
-        tasks = self._callers.get(caller) if task is not None else None
-        if tasks is not None:
-            tasks.discard(task)
-            if not tasks:
-                del self._callers[caller]
-
-    async def _watch_callers(self) -> None:
-        """Every health-check period, abort the requests whose caller died. Ray does not
-        cancel an actor task when its caller dies, so a lost ingress replica's requests would
-        otherwise run to their ``max_tokens`` for nobody, holding batch places and blocks.
-        Cancelling the request's task is what Serve does when a caller cancels: the engine
-        aborts the request and frees its blocks."""
-        while self._callers:
-            await asyncio.sleep(self.config.health_check_period_s)
-            callers = list(self._callers)
-            checks = await asyncio.gather(
-                *(
-                    asyncio.wait_for(c.__ray_ready__.remote(), CALLER_CHECK_TIMEOUT_S)
-                    for c in callers
-                ),
-                return_exceptions=True,
-            )
-            for caller, check in zip(callers, checks, strict=True):
-                if not isinstance(check, RayActorError):
-                    continue  # alive, or busy or unreachable now: not known to be gone
-                tasks = self._callers.pop(caller, set())
-                logger.warning(
-                    "%s: the caller of %d running requests is gone; aborting them",
-                    self.name,
-                    len(tasks),
-                )
-                for t in tasks:
-                    t.cancel()
 
     async def _wait_for_peer(self, request: WorkerRequest) -> None:
         """Let a peer that is computing this prompt's prefix finish, then pull it. Requests

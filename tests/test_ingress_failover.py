@@ -1,6 +1,7 @@
 """Ingress replicas lost or hung: real Ray Serve and the tiny-random model, over HTTP with the
 official client. A client that hangs up, and an ingress replica killed mid-request, free the
-worker; a hung ingress replica is replaced within Serve's health checks on it."""
+worker; a stopped ingress replica freezes no worker replica; a hung ingress replica is
+replaced within Serve's health checks on it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any
 import openai
 import pytest
 import ray
+from ray import serve
 
+from kvmesh.cluster.liveness import ENGINE_NAMESPACE, engine_actor_name
 from kvmesh.cluster.serve_app import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT_PREFIX
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import (
@@ -94,6 +97,44 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
     wait_for(idle, 60, "the replacement ingress to find the worker idle", every=0.5)
 
 
+def _pid(actor_name: str) -> int:
+    actor = ray.get_actor(actor_name, namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+
+
+def test_a_stopped_ingress_replica_does_not_freeze_its_worker(served) -> None:
+    """An ingress replica's process stopped while a worker streams to it. Ray ends a
+    streaming call by waiting, on the callee's event loop, until the caller acknowledged
+    every item it was sent. A stopped caller acknowledges nothing, so the whole worker replica
+    froze: its other calls, and Serve's health checks on it (with Serve's defaults it was
+    replaced, KV cache and all, after three timed-out checks). Now the worker ends such a
+    call only once its caller answers, and keeps serving meanwhile."""
+    app, config = served
+    stream = _long_http_stream(app, config, 1900)
+    worker = busy_worker(app)
+    [ingress] = _ingress_replicas()
+    pid = _pid(ingress)
+    engine = ray.get_actor(engine_actor_name(worker), namespace=ENGINE_NAMESPACE)
+    workers = serve.get_deployment_handle(f"{WORKER_DEPLOYMENT_PREFIX}worker", APP_NAME)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # The request runs on to its max_tokens for nobody, and its call ends.
+        wait_for(
+            lambda: ray.get(engine.occupancy.remote())["running"] == 0, 10, "the request's end"
+        )
+        time.sleep(0.5)
+        # Its replica still answers calls (an async method: it runs on the frozen loop).
+        for _ in range(3):
+            started = time.monotonic()
+            assert workers.worker_info.remote().result(timeout_s=3.0)["worker_id"] == worker
+            assert time.monotonic() - started < 1.0
+            time.sleep(0.3)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    stream.close()
+    wait_for(lambda: busy_worker(app) is None, 10, "the worker to be idle")
+
+
 def test_a_hung_ingress_replica_is_replaced_within_seconds(served) -> None:
     """An ingress replica whose process hangs (stopped): Serve's proxy sends it new requests,
     each to hang, until three health checks on it fail in a row. With the workers' period
@@ -101,7 +142,7 @@ def test_a_hung_ingress_replica_is_replaced_within_seconds(served) -> None:
     10 s, a 30-s timeout) it was ~90 s, whatever kvmesh's period."""
     _, config = served
     [name] = _ingress_replicas()
-    pid = ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(lambda _: os.getpid()))
+    pid = _pid(name)
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none", max_retries=0, timeout=2.0
     )
