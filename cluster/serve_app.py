@@ -327,10 +327,17 @@ PROXY_HEALTH_ENV = "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"
 PROXY_HEALTH_CHECK_PERIOD_S = "2"
 
 
+# A replica that failed its health checks is killed at once, not drained: a worker's callers
+# moved its requests after ``SILENT_PERIODS`` of silence, and a hung replica ends none, so a
+# drain only delays its replacement (whose resources it holds) by ``drain_timeout_s``.
+FORCE_STOP_ENV = "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"
+
+
 def controller_env() -> dict[str, str]:
     """Serve's controller's settings kvmesh starts it with, besides the front door's; an
     operator's own value in this process's environment wins."""
-    return {PROXY_HEALTH_ENV: os.environ.get(PROXY_HEALTH_ENV, PROXY_HEALTH_CHECK_PERIOD_S)}
+    defaults = {PROXY_HEALTH_ENV: PROXY_HEALTH_CHECK_PERIOD_S, FORCE_STOP_ENV: "1"}
+    return {name: os.environ.get(name, value) for name, value in defaults.items()}
 
 
 def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.DeploymentHandle:

@@ -43,7 +43,11 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 @pytest.fixture(scope="module")
 def served():
-    config = tiny_config(workers=2, router="round_robin", health_check_period_s=0.5)
+    # 1.5 CPUs a worker, of the session's 4: a replacement fits only once the replica it
+    # replaces gave its CPUs back, as on a node sized for its workers.
+    config = tiny_config(
+        workers=2, router="round_robin", health_check_period_s=0.5, num_cpus_per_worker=1.5
+    )
     handle = redeploy(config)
     info = handle.stats.remote().result()
     assert len(info["workers"]) == 2
@@ -207,7 +211,7 @@ def test_a_hung_worker_replicas_stream_moves(app) -> None:
     not even a keep-alive, so after ``SILENT_PERIODS`` health-check periods the ingress
     moves the stream to the other worker with the unbroken run's tokens. Serve alone would
     leave it waiting for three failed health checks and a graceful stop the hung process
-    cannot answer (about 45 s with this app's settings)."""
+    cannot answer (about 45 s with this app's settings). Serve then replaces it at once."""
     body = {**LONG, "temperature": 0}
     unbroken = app.generate.remote(body).result()
 
@@ -227,16 +231,22 @@ def test_a_hung_worker_replicas_stream_moves(app) -> None:
         # sent every other one there, each to wait out a silence of its own).
         short = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         later = [app.generate.remote(short).result()["kvmesh"] for _ in range(4)]
+        # Left stopped: Serve kills it after three failed health checks (5 s each here) and
+        # starts a replacement. Before, it first drained it for drain_timeout_s (30 s),
+        # which a hung process cannot end, and its replacement waited for its CPUs.
+        _healed(app)
+        healed = time.monotonic() - stopped_at
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):  # Serve's own kill came first
-                os.kill(pid, signal.SIGKILL)  # a crash now: Serve replaces it at once
+                os.kill(pid, signal.SIGKILL)
     assert [t for c in chunks for t in c["token_ids"]] == unbroken["token_ids"]
     last = chunks[-1]["kvmesh"]
     assert last["migrations"] == 1 and last["worker"] != worker
     assert took < 10.0, f"the stream waited {took:.0f} s for its hung replica"
     assert [(k["worker"] != worker, k["migrations"]) for k in later] == [(True, 0)] * 4
-    _healed(app)
+    print(f"a hung worker replica replaced, its replacement serving {healed:.1f} s after")
+    assert healed < 35.0, f"the hung worker replica's replacement served after {healed:.0f} s"
 
 
 def test_a_request_lost_before_its_hung_worker_said_anything_is_avoided_after(app) -> None:
