@@ -27,7 +27,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvmesh.cluster.router import Router, WorkerView
 from kvmesh.cluster.worker_deployment import replica_id_of, worker_name
@@ -42,7 +42,23 @@ MAX_RACES = 3  # fresh decisions after racing another router, before deciding wi
 INDEX_RETRY_S = 1.0  # while the index is down, the probe asks it this often
 
 
-class KvAwareRequestRouter(RequestRouter):
+class PlacementRecorder:
+    """Records where Serve placed each request, in ``WorkerRequest.routed_to``. A router
+    sets it to its first choice; Serve takes a later rank when that one is full, and says
+    where it went here once the replica accepted. A call lost before it sent anything (its
+    worker hung) is then pinned on the worker it ran on, not on the one that was full."""
+
+    role: str
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        request = _worker_request(pending_request)
+        if request is not None:
+            request.routed_to = worker_name(self.role, replica_id.unique_id)
+
+
+class KvAwareRequestRouter(PlacementRecorder, RequestRouter):
     def initialize_state(
         self,
         role: str = "worker",
@@ -182,7 +198,7 @@ class KvAwareRequestRouter(RequestRouter):
             logger.info("index answers again; routing by its view")
 
 
-class RoundRobinRequestRouter(RequestRouter):
+class RoundRobinRequestRouter(PlacementRecorder, RequestRouter):
     """Each replica in turn (the baseline): no index, no queue lengths."""
 
     def initialize_state(self, role: str = "worker", **_: Any) -> None:

@@ -6,7 +6,13 @@ from types import SimpleNamespace
 import pytest
 
 from kvmesh.cluster.cost_model import CostModel
-from kvmesh.cluster.request_router import _holder, not_lost_on, without
+from kvmesh.cluster.request_router import (
+    KvAwareRequestRouter,
+    RoundRobinRequestRouter,
+    _holder,
+    not_lost_on,
+    without,
+)
 from kvmesh.cluster.router import Router, WorkerView
 from kvmesh.cluster.worker_deployment import worker_name
 from kvmesh.cluster.worker_request import WorkerRequest
@@ -267,6 +273,22 @@ def test_a_migration_is_not_routed_back_to_the_worker_it_was_lost_on() -> None:
     assert ids(None) == ids(fresh) == ["aaa", "bbb", "ccc"]
     assert ids(moved) == ["aaa", "ccc"]
     assert ids(moved, replicas[1:2]) == ["bbb"]  # the only one: better than nowhere
+
+
+def test_routed_to_names_the_replica_serve_placed_the_request_on() -> None:
+    """A router ranks the replicas; Serve takes a later rank when its first choice is full
+    and calls ``on_request_routed`` once a replica accepted. ``routed_to`` must then name
+    that replica: a call lost before it sent anything is pinned on it, and the ingress
+    avoids that worker after. Before, it kept the first choice, so the full, healthy worker
+    was avoided and the hung one kept getting requests."""
+    for cls in (KvAwareRequestRouter, RoundRobinRequestRouter):
+        request = WorkerRequest("r", [1, 2], SamplingParams(), routed_to=worker_name("worker", "a"))
+        pending = SimpleNamespace(args=[request], kwargs={})
+        router = cls.__new__(cls)  # Serve's constructor wants a live controller; not needed
+        router.role = "worker"
+        router.on_request_routed(pending, SimpleNamespace(unique_id="b"), None)
+        assert request.routed_to == worker_name("worker", "b"), cls.__name__
+        router.on_request_routed(SimpleNamespace(args=["not ours"], kwargs={}), None, None)
 
 
 def test_a_migration_neither_pulls_from_nor_waits_for_the_worker_it_was_lost_on() -> None:
