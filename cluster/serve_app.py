@@ -303,7 +303,8 @@ def build_app(args: dict[str, Any], owner: str | None = None) -> serve.Applicati
         # share of new requests, each to hang, until three health checks in a row fail: ~90 s
         # with Serve's default check (every 10 s, a 30-s timeout). The workers' period and a
         # timeout of SILENT_PERIODS periods, as for a worker call, make it ~3 x 10 s. The
-        # check is Serve's own (the actor answers), so a busy event loop still passes it.
+        # check runs on the replica's event loop: 10 s is long enough for a busy one (the
+        # overload row at 4x marked no ingress unhealthy), not for one held that long.
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=config.health_check_period_s * SILENT_PERIODS,
         # The workers need the cores.

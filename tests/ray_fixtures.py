@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -15,3 +17,10 @@ def ray_session() -> Iterator[None]:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
+
+
+def actor_pid(actor: Any) -> int:
+    """The process id of a Ray actor (to stop or kill it as a fault would)."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))

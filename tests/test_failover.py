@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from kvmesh.connector.index_actor import get_index_actor
-from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.ray_fixtures import actor_pid, ray_session  # noqa: F401
 from tests.serve_helpers import (
     busy_worker,
     kill_worker,
@@ -190,7 +190,7 @@ def test_a_hung_engine_is_killed_and_its_stream_moves(app) -> None:
         """SIGSTOP the engine process of the worker that runs the stream: (worker, pid, when)."""
         worker = wait_for(lambda: busy_worker(app), 10, "the busy worker")
         engines = ray.get(get_index_actor(served_fingerprint()).workers.remote())
-        pid = ray.get(engines[worker]["handle"].__ray_call__.remote(lambda _: os.getpid()))
+        pid = actor_pid(engines[worker]["handle"])
         os.kill(pid, signal.SIGSTOP)
         return worker, pid, time.monotonic()
 
@@ -219,7 +219,7 @@ def test_a_hung_worker_replicas_stream_moves(app) -> None:
 
     def stop_the_replica() -> tuple[str, float]:
         worker = wait_for(lambda: busy_worker(app), 10, "the busy worker")
-        pid = ray.get(replica_actor(worker).__ray_call__.remote(lambda _: os.getpid()))
+        pid = actor_pid(replica_actor(worker))
         os.kill(pid, signal.SIGSTOP)
         stopped.append(pid)
         return worker, time.monotonic()
@@ -256,7 +256,7 @@ def test_a_request_lost_before_its_hung_worker_said_anything_is_avoided_after(ap
     other request to the stopped replica, each to wait out a silence of its own."""
     workers = sorted(app.stats.remote().result()["workers"])
     stopped = workers[0]
-    pid = ray.get(replica_actor(stopped).__ray_call__.remote(lambda _: os.getpid()))
+    pid = actor_pid(replica_actor(stopped))
     os.kill(pid, signal.SIGSTOP)
     try:
         short = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
@@ -276,7 +276,7 @@ def test_a_worker_that_answers_again_is_used_again(app) -> None:
     request meanwhile."""
     workers = sorted(app.stats.remote().result()["workers"])
     paused = workers[0]
-    pid = ray.get(replica_actor(paused).__ray_call__.remote(lambda _: os.getpid()))
+    pid = actor_pid(replica_actor(paused))
     short = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
     os.kill(pid, signal.SIGSTOP)
     try:  # shorter than Serve's health-check timeout (5 s here): the replica stays listed

@@ -15,7 +15,7 @@ from ray.exceptions import RayActorError
 from kvmesh.connector.events import EventPublisher
 from kvmesh.connector.index_actor import get_index_actor
 from tests.kv_index_helpers import BASE, FORK4, FORK8
-from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.ray_fixtures import actor_pid, ray_session  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -154,7 +154,7 @@ def test_a_paused_index_does_not_blame_its_workers(fingerprint: str) -> None:
     workers could not reach it: once it runs again it keeps them (the pause was its own),
     and still purges a worker that stays silent after it."""
     index = get_index_actor(fingerprint, heartbeat_timeout_s=1.0, check_interval_s=0.1)
-    pid = ray.get(index.__ray_call__.remote(lambda _self: os.getpid()))
+    pid = actor_pid(index)
     _, token = ray.get(index.register.remote("steady", fingerprint))
     ray.get(index.register.remote("silent", fingerprint))
     os.kill(pid, signal.SIGSTOP)

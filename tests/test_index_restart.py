@@ -23,7 +23,7 @@ from kvmesh import SamplingParams
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX, get_index_actor
 from kvmesh.workers.block_hash import block_hashes
 from tests.cluster_helpers import flush, start_workers, stop_workers
-from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.ray_fixtures import actor_pid, ray_session  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -125,7 +125,7 @@ def test_a_hung_index_stalls_one_lookup_not_each() -> None:
     a, b = start_workers(2, timeout_s=2.0)
     try:
         fp = info(a)["fingerprint"]
-        pid = ray.get(get_index_actor(fp).__ray_call__.remote(lambda _index: os.getpid()))
+        pid = actor_pid(get_index_actor(fp))
         seconds = []
         os.kill(pid, signal.SIGSTOP)
         try:

@@ -18,7 +18,7 @@ from ray import serve
 
 from kvmesh.cluster.liveness import ENGINE_NAMESPACE, engine_actor_name
 from kvmesh.cluster.serve_app import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT_PREFIX
-from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.ray_fixtures import actor_pid, ray_session  # noqa: F401
 from tests.serve_helpers import (
     busy_worker,
     redeploy,
@@ -98,8 +98,7 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
 
 
 def _pid(actor_name: str) -> int:
-    actor = ray.get_actor(actor_name, namespace="serve")
-    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    return actor_pid(ray.get_actor(actor_name, namespace="serve"))
 
 
 def test_a_stopped_ingress_replica_does_not_freeze_its_worker(served) -> None:

@@ -10,14 +10,13 @@ import threading
 import time
 
 import pytest
-import ray
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.request_router import INDEX_TIMEOUT_S
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.worker import Worker
-from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.ray_fixtures import actor_pid, ray_session  # noqa: F401
 from tests.serve_helpers import (
     redeploy,
     replica_log,
@@ -101,7 +100,7 @@ def test_a_hung_index_delays_one_request_not_each() -> None:
     handle = redeploy(tiny_config(workers=2, router="kv_aware"))
     try:
         index = get_index_actor(served_fingerprint())
-        pid = ray.get(index.__ray_call__.remote(lambda _self: os.getpid()))
+        pid = actor_pid(index)
         body = {"prompt": list(range(40, 90)), "max_tokens": 2, "temperature": 0}
         handle.generate.remote(body).result()
         seconds = []
