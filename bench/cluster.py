@@ -38,9 +38,9 @@ from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.serve_app import deploy
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_cache import KVCache
-from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.tokenizer_loader import load_tokenizer
 
 SETUPS = {
     "kv_aware+connector": {"router": "kv_aware", "connector": True},

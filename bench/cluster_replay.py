@@ -23,7 +23,7 @@ from pool_replay import cached_depth, replay_computed
 from kvmesh.workers.block_hash import block_hashes
 from kvmesh.workers.chat import chat_prompt_ids
 from kvmesh.workers.kv_cache_manager import KVCacheManager
-from kvmesh.workers.loader import load_tokenizer
+from kvmesh.workers.tokenizer_loader import load_tokenizer
 
 BS = 16
 Route = Callable[[int, list[KVCacheManager]], int]

@@ -31,7 +31,7 @@ import ray
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
-from kvmesh.connector.fault_transport import KINDS, TransferFaults
+from kvmesh.connector.transfer_faults import KINDS, TransferFaults
 from kvmesh.workers.block_hash import block_hashes
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.outputs import RequestOutput

@@ -45,8 +45,8 @@ from kvmesh.workers.chat import (
     token_bytes,
     token_texts,
 )
-from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.outputs import StreamDelta
+from kvmesh.workers.tokenizer_loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 SHUTTING_DOWN = "the server is shutting down; retry on another server"

@@ -8,12 +8,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvmesh.connector.fault_transport import TransferFaults
-from kvmesh.workers.engine import ConnectorContext
+from kvmesh.connector.transfer_faults import TransferFaults
 from kvmesh.workers.peer_leases import MAX_LEASE_S
 
 if TYPE_CHECKING:
     from kvmesh.connector.cluster_connector import ClusterKvConnector
+    from kvmesh.workers.engine import ConnectorContext
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 from kvmesh.workers.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from kvmesh.connector.fault_transport import TransferFaults
+    from kvmesh.connector.transfer_faults import TransferFaults
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,8 @@ def make_transport(
     Test/bench hook: with `faults`, or else the `KVMESH_FAULT_TRANSPORT` environment variable
     (parsed only here), the transport is wrapped in a `FaultyTransport` (fault_transport.py).
     """
-    from kvmesh.connector.fault_transport import FaultyTransport, TransferFaults
+    from kvmesh.connector.fault_transport import FaultyTransport
+    from kvmesh.connector.transfer_faults import TransferFaults
 
     faults = faults if faults is not None else TransferFaults.from_env()  # bad spec: raise now
     transport = _make_transport(name, worker_id, kv_cache, fingerprint_id)

@@ -72,7 +72,7 @@ def smollm2_hf():
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvmesh.workers.loader import smollm2_gguf_path
+    from kvmesh.workers.tokenizer_loader import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     kw = {"gguf_file": path.name, "local_files_only": True}

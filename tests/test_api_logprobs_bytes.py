@@ -21,8 +21,8 @@ from kvmesh.cluster.local_backend import LocalBackend
 from kvmesh.cluster.openai_api import build_api
 from kvmesh.workers import chat
 from kvmesh.workers.detokenizer import Detokenizer
-from kvmesh.workers.loader import load_tokenizer
 from kvmesh.workers.sampling_params import SamplingParams
+from kvmesh.workers.tokenizer_loader import load_tokenizer
 from tests.openai_helpers import MODEL, serve
 
 # tiny-random's greedy answers to these hold characters of 2 and 3 bytes (and invalid bytes).

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kvmesh.workers.gguf_loader import permute_rope_rows
-from kvmesh.workers.loader import LoadedWeights, load_weights, save_hf_dir, smollm2_gguf_path
+from kvmesh.workers.loader import LoadedWeights, load_weights, save_hf_dir
+from kvmesh.workers.tokenizer_loader import smollm2_gguf_path
 from tests.gguf_helpers import write_gguf
 
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]

@@ -19,8 +19,8 @@ from kvmesh import SamplingParams
 from kvmesh.cluster.worker_deployment import pull_plan
 from kvmesh.cluster.worker_request import Plan
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
-from kvmesh.connector.fault_transport import TransferFaults
 from kvmesh.connector.index_actor import get_index_actor
+from kvmesh.connector.transfer_faults import TransferFaults
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.kv_connector import PullPlan
 from kvmesh.workers.worker_actor import worker_actor_class

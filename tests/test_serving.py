@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import time
 
 import openai
@@ -15,6 +16,7 @@ from ray import serve
 from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.backend import GenerateRequest
 from kvmesh.cluster.frontend import PROGRESS_INTERVAL_S, ClusterBackend
+from kvmesh.cluster.liveness import engine_actor_name
 from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
@@ -381,3 +383,26 @@ def test_unknown_model_is_404(unified) -> None:
         client.chat.completions.create(
             model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
+
+
+def test_only_engine_actors_load_torch(unified) -> None:
+    """A Serve replica (ingress or worker) is a thin proxy: it starts without torch, which
+    took ~1.5 s of every replica's start here (a replacement's included). The engine actors
+    hold torch, which shows the check sees it where it is loaded."""
+    handle, _, _ = unified
+    handle.generate.remote({"prompt": [1, 2, 3], "max_tokens": 1}).result()
+    prefix = f"SERVE_REPLICA::{APP_NAME}#"
+    named = ray.util.list_named_actors(all_namespaces=True)
+    replicas = [a for a in named if a["name"].startswith(prefix)]
+    engines = [a for a in named if a["name"].startswith(engine_actor_name(""))]
+    assert len(replicas) == 3 and len(engines) == 2, named  # 1 ingress, 2 workers
+    loaded = {
+        a["name"]: ray.get(
+            ray.get_actor(a["name"], namespace=a["namespace"]).__ray_call__.remote(
+                lambda _actor: "torch" in sys.modules
+            ),
+            timeout=30,
+        )
+        for a in replicas + engines
+    }
+    assert loaded == {a["name"]: a in engines for a in replicas + engines}

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from kvmesh.connector.cluster_connector_config import ClusterConnectorConfig
-from kvmesh.connector.fault_transport import ENV_VAR, KINDS, FaultyTransport, TransferFaults
+from kvmesh.connector.fault_transport import FaultyTransport
 from kvmesh.connector.nixl_transport import NixlTransport
 from kvmesh.connector.ray_transport import RayTransport
+from kvmesh.connector.transfer_faults import ENV_VAR, KINDS, TransferFaults
 from kvmesh.connector.transport import TransferError, TransferInFlight, make_transport
 from kvmesh.workers.kv_cache import KVCache
 from tests.ray_fixtures import ray_session  # noqa: F401

@@ -6,14 +6,18 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvmesh.workers.kv_tiers import DEFAULT_DISK_CACHE_SIZE, TierConfig, check_disk_cache_size
 from kvmesh.workers.memory_size import parse_memory
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Names, not torch dtypes: a Serve replica builds and checks configs without loading torch
+# (~1.5 s of every replica's start here); torch loads where a dtype is resolved.
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -100,19 +104,25 @@ class EngineConfig:
     def resolved_device(self) -> str:
         if self.device is not None:
             return self.device
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype is not None:
-            return _DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         return torch.bfloat16 if self.resolved_device.startswith("cuda") else torch.float32
 
     @property
     def resolved_kv_cache_dtype(self) -> torch.dtype:
         if self.kv_cache_dtype == "auto":
             return self.resolved_dtype
-        return _DTYPES[self.kv_cache_dtype]
+        import torch
+
+        return getattr(torch, self.kv_cache_dtype)
 
 
 def check_host_memory(host_bytes: int) -> None:

