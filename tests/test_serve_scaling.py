@@ -36,61 +36,62 @@ def reference() -> LLM:
     return LLM("tiny-random", block_size=4, num_kv_blocks=256, progress=False)
 
 
-def test_two_ingress_replicas_compute_a_shared_prefix_once() -> None:
+@pytest.fixture(scope="module")
+def kv_aware_pair():
+    """3 workers behind 2 ingress replicas, each with its own kv_aware router (one app for
+    the two tests below: their prefixes share no block)."""
+    yield redeploy(tiny_config(workers=3, router="kv_aware", ingress_replicas=2))
+    undeploy()
+
+
+def test_two_ingress_replicas_compute_a_shared_prefix_once(kv_aware_pair) -> None:
     """8 prompts sharing a 512-token prefix, sent at once through 2 ingress replicas (each
     with its own router) to 3 workers: the prefix is computed once, the rest pulled or hit."""
-    handle = redeploy(tiny_config(workers=3, router="kv_aware", ingress_replicas=2))
-    try:
-        shared = [10 + (i * 7) % 300 for i in range(512)]  # 128 full blocks of 4
-        prompts = [[*shared, 5 + i, 6 + i, 7 + i] for i in range(8)]
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            outs = list(
-                pool.map(
-                    lambda p: handle.generate.remote(
-                        {"prompt": p, "max_tokens": 2, "temperature": 0}
-                    ).result(),
-                    prompts,
-                )
+    handle = kv_aware_pair
+    shared = [10 + (i * 7) % 300 for i in range(512)]  # 128 full blocks of 4
+    prompts = [[*shared, 5 + i, 6 + i, 7 + i] for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(
+            pool.map(
+                lambda p: handle.generate.remote(
+                    {"prompt": p, "max_tokens": 2, "temperature": 0}
+                ).result(),
+                prompts,
             )
-        computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
-        expected = len(shared) + sum(len(p) - len(shared) for p in prompts)
-        assert computed == expected, [o["kvmesh"] for o in outs]
-    finally:
-        undeploy()
+        )
+    computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
+    expected = len(shared) + sum(len(p) - len(shared) for p in prompts)
+    assert computed == expected, [o["kvmesh"] for o in outs]
 
 
-def test_kv_aware_burst_computes_a_shared_prefix_once(reference) -> None:
+def test_kv_aware_burst_computes_a_shared_prefix_once(kv_aware_pair, reference) -> None:
     """Six prompts sharing a 200-token prefix arrive together on three workers: the prefix
     is computed by one worker; the others wait for it and pull it (or hit it locally), and
     every answer equals a single engine's."""
-    handle = redeploy(tiny_config(workers=3, router="kv_aware"))
-    try:
-        shared = list(range(100, 300))  # 50 full blocks of 4
-        prompts = [[*shared, 7 + i, 9 + i, 11 + i] for i in range(6)]
-        params = SamplingParams(max_tokens=4, temperature=0)
-        # The index outlives an app (it is the model's): earlier tests' refusals count there.
-        refused_before = handle.stats.remote().result()["index"].get("unauthorized", 0)
-        calls = [
-            handle.generate.remote({"prompt": p, "max_tokens": 4, "temperature": 0})
-            for p in prompts
-        ]
-        outs = [c.result() for c in calls]
-        want = reference.generate(prompts, params)
-        assert [o["token_ids"] for o in outs] == [w.token_ids for w in want]
-        computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
-        assert computed == len(shared) + sum(len(p) - len(shared) for p in prompts)
-        assert len({o["kvmesh"]["worker"] for o in outs}) >= 2
-        # The workers vouched for the router's pending entries (else each is believed for
-        # UNCONFIRMED_TTL_S only), and no confirmation was refused.
-        index = wait_for(
-            lambda: (s := handle.stats.remote().result()["index"])["pending_confirmed"] and s,
-            10,
-            "the workers to confirm the pending entries",
-        )
-        assert index["pending_confirmed"] <= index["pending_added"]
-        assert index["unauthorized"] == refused_before
-    finally:
-        undeploy()
+    handle = kv_aware_pair
+    shared = list(range(100, 300))  # 50 full blocks of 4
+    prompts = [[*shared, 7 + i, 9 + i, 11 + i] for i in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    # The index outlives an app (it is the model's): earlier tests' refusals count there.
+    refused_before = handle.stats.remote().result()["index"].get("unauthorized", 0)
+    calls = [
+        handle.generate.remote({"prompt": p, "max_tokens": 4, "temperature": 0}) for p in prompts
+    ]
+    outs = [c.result() for c in calls]
+    want = reference.generate(prompts, params)
+    assert [o["token_ids"] for o in outs] == [w.token_ids for w in want]
+    computed = sum(o["kvmesh"]["computed_tokens"] for o in outs)
+    assert computed == len(shared) + sum(len(p) - len(shared) for p in prompts)
+    assert len({o["kvmesh"]["worker"] for o in outs}) >= 2
+    # The workers vouched for the router's pending entries (else each is believed for
+    # UNCONFIRMED_TTL_S only), and no confirmation was refused.
+    index = wait_for(
+        lambda: (s := handle.stats.remote().result()["index"])["pending_confirmed"] and s,
+        10,
+        "the workers to confirm the pending entries",
+    )
+    assert index["pending_confirmed"] <= index["pending_added"]
+    assert index["unauthorized"] == refused_before
 
 
 def test_a_hung_index_delays_one_request_not_each() -> None:

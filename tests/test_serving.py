@@ -387,8 +387,8 @@ def test_unknown_model_is_404(unified) -> None:
 
 def test_only_engine_actors_load_torch(unified) -> None:
     """A Serve replica (ingress or worker) is a thin proxy: it starts without torch, which
-    took ~1.5 s of every replica's start here (a replacement's included). The engine actors
-    hold torch, which shows the check sees it where it is loaded."""
+    took ~1.4 s of import at every replica's start here (a replacement's too). The engine
+    actors hold torch, which shows the check sees it where it is loaded."""
     handle, _, _ = unified
     handle.generate.remote({"prompt": [1, 2, 3], "max_tokens": 1}).result()
     prefix = f"SERVE_REPLICA::{APP_NAME}#"

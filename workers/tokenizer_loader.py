@@ -1,6 +1,7 @@
 """A model's tokenizer alone, without torch or any weight: for the front ends that tokenize
 and route but never run the model. An ingress replica of tiny-random or of an HF directory
-loads no torch (~1.5 s of its start here); a GGUF's tokenizer still does, inside transformers.
+loads no torch (~1.4 s of import at its start here); a GGUF's tokenizer still loads it,
+inside transformers.
 
 Knows where the default model's GGUF lives and builds tiny-random's byte-level tokenizer;
 `loader.py` uses both for the weights.
