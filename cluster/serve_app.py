@@ -67,8 +67,14 @@ INGRESS_SPARE_SLOTS = 256
 # than the drain Serve gives it before killing it: time to end what still runs, cleanly.
 APP_WATCH_S = 1.0
 INGRESS_STOP_MARGIN_S = APP_WATCH_S + 4.0
-# Serve autoscaling: the window its ongoing-request average covers.
-LOOK_BACK_S = 15.0  # Serve wants more than its 10-s metrics push interval
+# Serve autoscaling: how often each handle (an ingress replica's) reports its ongoing
+# requests to Serve's controller, and the window the controller averages them over. Serve's
+# defaults (10 s, 30 s) left a burst up to 10 s unseen before upscale_delay_s even began
+# (BENCHMARKS.md, Autoscaling). `metrics_interval_s` is deprecated in Ray 2.60 for an
+# environment variable, which would have to reach every process holding a handle; it is
+# still the deployment's own setting, and Serve wants the window longer than it.
+METRICS_INTERVAL_S = 1.0
+LOOK_BACK_S = 5.0
 
 
 @serve.ingress()
@@ -247,9 +253,10 @@ def _worker_deployment(config: ServeConfig, role: str, count: int, most: int | N
             "target_ongoing_requests": config.target_ongoing_requests,
             "upscale_delay_s": 2.0,
             "downscale_delay_s": config.downscale_delay_s,
-            # Ongoing requests are averaged over this window (Serve's default: 30 s). A
-            # 30-s average would hold a burst's workers back for most of the burst, and keep
-            # them that long after it, whatever the two delays say.
+            # A 30-s average (Serve's default window) would hold a burst's workers back for
+            # most of the burst, and keep them that long after it, whatever the two delays
+            # say; a 10-s report interval would add up to 10 s to each.
+            "metrics_interval_s": METRICS_INTERVAL_S,
             "look_back_period_s": LOOK_BACK_S,
         }
     if config.router in routers:
