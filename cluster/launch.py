@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.stop_signals import Interrupted, StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +88,6 @@ def _check_answers(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except (OSError, ValueError, OverflowError):
         raise ConnectionError(f"address: no Ray cluster answers at {address}") from None
-
-
-class _Stop(Exception):
-    """Raised by the signal handler into a deployment still coming up."""
 
 
 class DeployFailed(RuntimeError):
@@ -261,14 +258,7 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
 
     from kvmesh.cluster.serve_app import APP_NAME, deploy
 
-    stop = threading.Event()
-    deploying = True
-
-    def on_signal(*_: object) -> None:
-        stop.set()
-        if deploying:  # serve.run waits for the replicas: interrupt the wait
-            raise _Stop
-
+    signals = StopSignals()
     try:
         serve_was_running = check_serve_free(config, replace)
     except BaseException:
@@ -276,25 +266,27 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
             ray.shutdown()
         raise
     owner = new_owner()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
+    signals.install()
     refused: list[str] = []
     up = threading.Lock()  # held to decide, at once, that the app is up or is refused
+    came_up = False
 
     def watch_start() -> None:
         """While the app comes up, stop the wait (as a signal does) once a replica's start
         is refused: then ``DeployFailed`` names the refusal."""
-        while deploying and not stop.wait(REFUSAL_CHECK_S):
+        while signals.interrupting:
+            time.sleep(REFUSAL_CHECK_S)
             app = _app_status(APP_NAME)
             error = refused_start(app) if app is not None else None
             with up:
-                if error is not None and deploying:
+                if error is not None and signals.interrupting:
                     refused.append(error)
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
 
-    threading.Thread(target=watch_start, name="kvmesh-start-watch", daemon=True).start()
     try:
+        signals.interrupt()  # serve.run waits for the replicas: a signal cuts the wait
+        threading.Thread(target=watch_start, name="kvmesh-start-watch", daemon=True).start()
         try:
             deploy(config, owner)
         except RuntimeError as e:
@@ -304,25 +296,26 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
                 raise
             raise DeployFailed(_deploy_failure(APP_NAME)) from None
         with up:
-            deploying = False
+            signals.interrupting = False
+            came_up = True
         print(
             f"kvmesh: serving {config.model_name} on http://{config.host}:{config.port}/v1",
             flush=True,
         )
-        stop.wait()
-    except _Stop:  # asked to stop while deploying: a clean stop, as after it
+        signals.wait()
+    except Interrupted:  # asked to stop while deploying: a clean stop, as after it
         pass
     finally:
+        signals.interrupting = False  # a second signal must not cut the teardown
         print(
             f"kvmesh: shutting down (running requests get up to {config.drain_timeout_s:g} s:"
             " --drain-timeout-s)",
             flush=True,
         )
-        never_up, deploying = deploying, False  # a second signal must not cut the teardown
         try:
             # An app that never came up has nothing to drain: with our own Ray, its shutdown
             # ends every replica at once (serve.delete waits ~30 s on pending ones).
-            if not (never_up and started_ray):
+            if came_up or not started_ray:
                 # With our own Ray, its shutdown ends Serve: serve.shutdown would only add
                 # Ray's alarming "(raylet) Task ServeController.graceful_shutdown failed"
                 # line (the controller kills itself under infinite task retries).

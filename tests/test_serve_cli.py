@@ -24,6 +24,7 @@ from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, Deplo
 
 from kvmesh.cluster.launch import RETRYING, refused_start
 from kvmesh.cluster.serve_app import PROXY_HEALTH_CHECK_PERIOD_S
+from kvmesh.cluster.stop_signals import SIGNALS
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,8 @@ def start(cmd: list[str]) -> subprocess.Popen:
 def test_serve_answers_then_shuts_down_cleanly() -> None:
     """Stopped by SIGHUP to its whole process group, as a closed terminal sends it (before:
     the process died at once, without its teardown; then, the local Ray's GCS and raylet
-    died of the same SIGHUP, and the teardown waited 60 s for them)."""
+    died of the same SIGHUP, and the teardown waited 60 s for them), then a burst of stop
+    signals to it alone, which must not hang it or cut its teardown."""
     port = free_port()
     flags = ["--address", "local", "--block-size", "4", "--kv-cache-memory", "8MiB"]
     proc = start(serve_cmd(port, *flags, "--api-key", "sekret"))
@@ -99,6 +101,11 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
     finally:
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGHUP)
+        # More stop signals at once (an impatient Ctrl-C, a service manager's SIGTERM): one
+        # landing in the handler of the one before hung the process for good.
+        for _ in range(50):
+            for sig in SIGNALS:
+                os.kill(proc.pid, sig)
         try:
             out, _ = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,59 @@
+"""Stop requests by signal (Ctrl-C, SIGTERM, SIGHUP: a closed terminal), taken safely at any
+moment and any number of times.
+
+A Python signal handler runs in the main thread between two bytecodes, possibly inside
+another handler. A handler that takes a lock can find it held by the code it interrupted:
+with `threading.Event.set` in `kvmesh serve`'s handler, a second signal arriving during the
+first one's `set` (the same lock, not reentrant) hung the process for good, its Ray and app
+left running (3 of 20 bursts of signals here). So the handler takes no lock: it records the
+request, writes a byte to a pipe that `wait` reads (the self-pipe trick), and raises
+`Interrupted`, at most once, after `interrupt`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(Exception):
+    """Raised by a stop signal into whatever the main thread runs while ``interrupting``."""
+
+
+class StopSignals:
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self.requested = False
+        # Raise Interrupted at the next signal (a wait that must be cut short, say Serve's
+        # for replicas that never start). Cleared by that signal: what the interruption
+        # starts (a teardown) must not be cut in turn.
+        self.interrupting = False
+
+    def install(self) -> None:
+        for sig in SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, *_: object) -> None:
+        self.requested = True
+        with contextlib.suppress(BlockingIOError):  # a full pipe already says it
+            os.write(self._write, b"\0")
+        if self.interrupting:
+            self.interrupting = False
+            raise Interrupted
+
+    def interrupt(self) -> None:
+        """From now on, until the next stop signal, raise ``Interrupted`` at it; at once if one
+        already came."""
+        self.interrupting = True
+        if self.requested and self.interrupting:
+            self.interrupting = False
+            raise Interrupted
+
+    def wait(self) -> None:
+        """Return once a stop signal came: at once if one already did."""
+        while not self.requested:
+            os.read(self._read, 1)
