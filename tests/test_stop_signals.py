@@ -15,11 +15,12 @@ import pytest
 from kvmesh.cluster.stop_signals import SIGNALS, Interrupted, StopSignals
 
 # What the process does after its last line is not under test: the rest of the burst is
-# ignored, or a signal landing in the interpreter's exit (default handlers by then) kills it.
+# blocked, or a signal landing in the interpreter's exit (default handlers by then) kills it.
+# (Blocked, not ignored: setting a handler while signals arrive can fail with "ignored due
+# to race condition".)
 DONE = """
 import signal
-for sig in SIGNALS:
-    signal.signal(sig, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 """
 
 WAITS = """
