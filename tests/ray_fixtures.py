@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,3 +25,10 @@ def actor_pid(actor: Any) -> int:
     import ray
 
     return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+
+
+def torch_loaded(actor: Any) -> bool:
+    """Whether a Ray actor's process has imported torch."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda _: "torch" in sys.modules), timeout=30)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ from kvmesh import SamplingParams
 from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX, get_index_actor
 from kvmesh.workers.block_hash import block_hashes
 from tests.cluster_helpers import flush, start_workers, stop_workers
-from tests.ray_fixtures import actor_pid, ray_session  # noqa: F401
+from tests.ray_fixtures import actor_pid, ray_session, torch_loaded  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -104,7 +103,7 @@ def test_killed_index_is_replaced_and_workers_rejoin() -> None:
         assert set(ray.get(new.workers.remote())) >= {a_id, b_id}
         # Ray imports a handle's class module where it is deserialized: the workers' handles
         # must not bring torch into the index (that held each rejoin ~3 s: 4.3 s of 5 here).
-        assert not ray.get(new.__ray_call__.remote(lambda _index: "torch" in sys.modules))
+        assert not torch_loaded(new)
         hashes = block_hashes(ids, BS, info(a)["namespace"])[: (len(ids) - 1) // BS]
         assert ray.get(new.lookup.remote(hashes, b_id)) == {a_id: len(hashes)}
         # A peer finds and pulls the blocks through the new index.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
 import time
 
 import openai
@@ -22,7 +21,7 @@ from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
 from tests.openai_helpers import call
-from tests.ray_fixtures import ray_session  # noqa: F401
+from tests.ray_fixtures import ray_session, torch_loaded  # noqa: F401
 from tests.serve_helpers import (
     busy_worker,
     check_prompt_logprobs,
@@ -389,20 +388,11 @@ def test_only_engine_actors_load_torch(unified) -> None:
     """A Serve replica (ingress or worker) is a thin proxy: it starts without torch, which
     took ~1.4 s of import at every replica's start here (a replacement's too). The engine
     actors hold torch, which shows the check sees it where it is loaded."""
-    handle, _, _ = unified
-    handle.generate.remote({"prompt": [1, 2, 3], "max_tokens": 1}).result()
-    prefix = f"SERVE_REPLICA::{APP_NAME}#"
+    unified[0].generate.remote({"prompt": [1, 2, 3], "max_tokens": 1}).result()
     named = ray.util.list_named_actors(all_namespaces=True)
-    replicas = [a for a in named if a["name"].startswith(prefix)]
+    replicas = [a for a in named if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#")]
     engines = [a for a in named if a["name"].startswith(engine_actor_name(""))]
     assert len(replicas) == 3 and len(engines) == 2, named  # 1 ingress, 2 workers
-    loaded = {
-        a["name"]: ray.get(
-            ray.get_actor(a["name"], namespace=a["namespace"]).__ray_call__.remote(
-                lambda _actor: "torch" in sys.modules
-            ),
-            timeout=30,
-        )
-        for a in replicas + engines
-    }
-    assert loaded == {a["name"]: a in engines for a in replicas + engines}
+    actors = replicas + engines
+    loaded = {a["name"]: torch_loaded(ray.get_actor(a["name"], a["namespace"])) for a in actors}
+    assert loaded == {a["name"]: a in engines for a in actors}
