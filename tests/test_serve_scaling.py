@@ -154,7 +154,7 @@ def test_workers_autoscale_up_under_load_and_back() -> None:
         stopped = time.monotonic()
         wait_for(lambda: running_replicas() == 1, 90, "back to one replica", every=0.5)
         # Load reported every METRICS_INTERVAL_S and averaged over LOOK_BACK_S: ~5.5 s here,
-        # 14-22 s with Serve's defaults (a 10-s report interval, a 15-s window).
+        # 14-22 s with the settings before (Serve's 10-s report interval, a 15-s window).
         assert time.monotonic() - stopped < 10.0
     finally:
         undeploy()

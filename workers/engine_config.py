@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 # Names, not torch dtypes: a Serve replica builds and checks configs without loading torch
-# (~1.5 s of every replica's start here); torch loads where a dtype is resolved.
+# (~1.4 s of import at every replica's start here); torch loads where a dtype is resolved.
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
