@@ -31,9 +31,11 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     recorded) and starts a local one only when none answers; an explicit address never falls
     back (a typo must not silently serve from a one-machine cluster); ``local`` always starts
     a new one. Ray 2.60 turns token authentication on: a driver joining a head started with
-    ``ray start`` must say so, so joining sets ``RAY_AUTH_MODE=token`` when a token exists.
+    ``ray start`` must say so, so joining sets ``RAY_AUTH_MODE=token`` when a token is set
+    here (``auth_token_available``).
     """
-    if address != "local" and os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+    token = auth_token_available()
+    if address != "local" and token:
         # Before Ray's first import: its core reads the mode once, when it loads.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
@@ -46,7 +48,12 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
             return False
         except ConnectionError as e:
             if address != "auto":
-                raise ConnectionError(f"address: no Ray cluster answers at {address}") from e
+                # Something listens there (``_check_answers``): a head that wants a token
+                # refuses a driver without one so, after ~20 s of Ray's retries.
+                why = f"could not join the Ray cluster at {address}: {NO_TOKEN_HINT}"
+                if token:
+                    why = f"no Ray cluster answers at {address}"
+                raise ConnectionError(f"address: {why}") from e
             logger.info("no running Ray cluster found; starting a local one")
     workers = config.num_unified_workers + config.prefill_workers + config.decode_workers
     # Logical CPUs: every worker gets its share even on a small machine.
@@ -57,6 +64,26 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     with _ignoring_sighup():
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
+
+
+# Where Ray 2.60 looks for a cluster's auth token, in its order.
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+DEFAULT_TOKEN_PATH = "~/.ray/auth_token"
+NO_TOKEN_HINT = (
+    f"no auth token is set here, and a Ray head started with `ray start` needs its token: copy "
+    f"the head's {DEFAULT_TOKEN_PATH} here, or set {TOKEN_PATH_ENV} or {TOKEN_ENV}"
+)
+
+
+def auth_token_available() -> bool:
+    """Whether this process has a Ray auth token: ``RAY_AUTH_TOKEN``, the file
+    ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token`` (an operator hands a cluster's
+    token to its machines any of these ways)."""
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return True
+    path = os.environ.get(TOKEN_PATH_ENV) or os.path.expanduser(DEFAULT_TOKEN_PATH)
+    return os.path.isfile(path)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,13 @@ import pytest
 from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview
 
-from kvmesh.cluster.launch import RETRYING, refused_start
+from kvmesh.cluster.launch import (
+    RETRYING,
+    TOKEN_ENV,
+    TOKEN_PATH_ENV,
+    auth_token_available,
+    refused_start,
+)
 from kvmesh.cluster.serve_app import PROXY_HEALTH_CHECK_PERIOD_S
 from kvmesh.cluster.stop_signals import SIGNALS
 from tests.ports import free_port
@@ -134,6 +140,32 @@ def test_an_address_where_nothing_answers_fails_at_once() -> None:
     assert "no Ray cluster answers at 127.0.0.1:" in out.stderr
     assert "Traceback" not in out.stderr
     assert time.monotonic() - started < 30
+
+
+def test_a_token_handed_over_any_way_ray_reads_turns_token_auth_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Joining sets token auth when a token is here in any of Ray's three places (before:
+    only ``~/.ray/auth_token``, so a token in ``RAY_AUTH_TOKEN_PATH``, as the two-host
+    harness hands its hosts, failed the join with InvalidAuthToken)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_PATH_ENV, raising=False)
+    assert not auth_token_available()
+    monkeypatch.setenv(TOKEN_ENV, "  ")
+    assert not auth_token_available()  # blank is no token
+    monkeypatch.setenv(TOKEN_ENV, "f00d")
+    assert auth_token_available()
+    monkeypatch.delenv(TOKEN_ENV)
+    token_file = tmp_path / "cluster-token"
+    monkeypatch.setenv(TOKEN_PATH_ENV, str(token_file))
+    assert not auth_token_available()  # named, but not there
+    token_file.write_text("f00d")
+    assert auth_token_available()
+    monkeypatch.delenv(TOKEN_PATH_ENV)
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("f00d")
+    assert auth_token_available()
 
 
 def test_sigterm_stops_a_deployment_that_never_comes_up() -> None:

@@ -7,7 +7,12 @@
 - a Ray head (``ray start --head``) in host a and a Ray node joining it (``ray start
   --address``) in host b, each with its own CPUs and a custom resource (``host_a``, ``host_b``)
   so a test can place actors explicitly, under its own Ray temp dir (so the machine's
-  ``/tmp/ray/ray_current_cluster`` is never touched).
+  ``/tmp/ray/ray_current_cluster`` is never touched);
+- the cluster's auth token (Ray 2.60 turns token authentication on), made by the harness and
+  handed to every process on its hosts in ``RAY_AUTH_TOKEN_PATH``, as an operator hands a
+  cluster's token to its machines. Those processes also get an empty ``HOME``: a token in
+  ``~/.ray`` (which any local ``ray.init()`` leaves behind) is never what makes a join work,
+  so the harness behaves on a fresh machine as it does after other tests.
 
 It shapes the link (``tc qdisc ... tbf rate R``: netem is not available here), cuts it
 (``ip link set ... down``), kills a host (SIGKILL to every process in its namespace) and
@@ -96,6 +101,8 @@ class TwoHosts:
         }
         self.rate = rate
         self.head = f"{self.hosts['a'].ip}:{RAY_PORT}"
+        self.home = self.dir / "home"
+        self.token_path = self.dir / "auth_token"
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -103,6 +110,8 @@ class TwoHosts:
         sweep()
         self.dir.mkdir(parents=True)
         (self.dir / "owner").write_text(str(os.getpid()))
+        self.home.mkdir()
+        self.token_path.write_text(secrets.token_hex(32))  # as `ray get-auth-token --generate`
         try:
             self._make_network()
             if self.rate:
@@ -134,14 +143,17 @@ class TwoHosts:
     # -- hosts -----------------------------------------------------------------------------
 
     def env(self, host: str = "a", extra: dict[str, str | None] | None = None) -> dict[str, str]:
-        """The environment of a process on ``host``: its Ray temp dir, token auth, UCX, the
-        head's address; ``extra`` adds to it (a None value removes the variable)."""
+        """The environment of a process on ``host``: its Ray temp dir, token auth and the
+        cluster's token, an empty home, UCX, the head's address; ``extra`` adds to it (a None
+        value removes the variable)."""
         h = self.hosts[host]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "UCX_"))}
         env.update(UCX_ENV)
         env.update(
             RAY_TMPDIR=h.temp_dir,
             RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=str(self.token_path),
+            HOME=str(self.home),
             RAY_ADDRESS=self.head,
             RAY_USAGE_STATS_ENABLED="0",
             PYTHONPATH=str(REPO),
