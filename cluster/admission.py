@@ -198,7 +198,11 @@ class AdmitRequests:
             return
         self.keep(scope, admitted)
         with admitted:
-            await self.app(scope, receive, send)
+            await self.forward(scope, receive, send)
+
+    async def forward(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Run the inner app for an admitted generation request."""
+        await self.app(scope, receive, send)
 
     def keep(self, scope: MutableMapping[str, Any], admitted: Admitted) -> None:
         """Where the route finds its request's places (``hold_places``)."""

@@ -24,15 +24,27 @@ RayService manifest's serveConfigV2 sets it in ``controller_options``. A proxy s
 otherwise has no door; the ingress still refuses, at the cost above, and ``deploy`` says so
 (``warn_if_missing``) when it finds Serve already running without it.
 
-Once a kvmesh app has answered through this proxy, a generation request that Serve itself
-answers 404 (no app at the route: the app was deleted, or is being redeployed) gets a 503
-with ``Retry-After`` and OpenAI's body instead (``APP_GONE``): clients and load balancers
-retry a 503, where Serve's plain-text 404 read as a wrong URL. The ingress's own answers,
-its 404s included, carry ``ADMISSION_HEADER`` and pass as they are.
+A generation request that Serve itself answers 404 (no app at the route: the app was
+deleted, is being redeployed, or this proxy was just restarted and has not learned the
+routes yet) gets a 503 with ``Retry-After`` and OpenAI's body instead (``APP_GONE``):
+clients and load balancers retry a 503, where Serve's plain-text 404 read as a wrong URL.
+The ingress's own answers, its 404s included, carry ``ADMISSION_HEADER`` and pass as they
+are.
+
+An ingress replica lost while it held a request (its process killed, its node gone) makes
+Serve's proxy send nothing, and its HTTP server then answers 500 (or cuts a stream). The
+door sends a request Serve lost before any answer again, its body replayed, up to
+``RETRIES`` times: Serve's router has dropped the dead replica, so a try reaches another
+ingress replica or waits for the replacement. One that still has no answer gets a 503
+(``LOST``) with ``Retry-After`` and OpenAI's body. A stream cut after it started ends with
+OpenAI's error event and ``[DONE]``, not a reset connection. A request whose client left
+is not tried again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import math
 import os
@@ -59,11 +71,19 @@ APP_GONE = (
     "no kvmesh app serves this route now (it is stopping or being redeployed); retry "
     "shortly, or on another server"
 )
+LOST = "the server answering this request was lost; retry it"
+# How often a request Serve lost before any answer is sent again, and the pause before each:
+# Serve's router drops a dead replica at its first failed call, so the next try finds a live
+# one, or waits in Serve's queue for the replacement.
+RETRIES = 2
+RETRY_PAUSE_S = 0.2
 
 
 class FrontDoor(AdmitRequests):
     """``AdmitRequests`` with the limit it learns from the answers passing through: the
-    ingress's ``ADMISSION_HEADER`` plus ``spare``; no limit until the first."""
+    ingress's ``ADMISSION_HEADER`` plus ``spare``; no limit until the first. Each admitted
+    request is sent on as an ``Answer``: tried again while Serve lost it before any answer
+    (``RETRIES``), and never left as a 500, a Serve 404 or a cut stream."""
 
     def __init__(
         self, app: Any, spare: int = SPARE, on_refuse: Callable[[], None] | None = None
@@ -75,36 +95,35 @@ class FrontDoor(AdmitRequests):
         """Nothing in the scope: Serve sends the scope on to the ingress, whose own
         ``AdmitRequests`` keeps its places there."""
 
-    def sending(self, send: Callable) -> Callable:
-        replaced = False  # Serve's 404 swapped for APP_GONE: its body is dropped
-
-        async def learning(message: dict) -> None:
-            nonlocal replaced
-            if message["type"] == "http.response.start":
-                if self.app_gone(message):
-                    replaced = True
-                    return
-                message = self.learn(message)
-            elif replaced:
-                if not message.get("more_body", False):
-                    for gone in self.app_gone_messages():
-                        await send(gone)
+    async def forward(self, scope: dict, receive: Callable, send: Callable) -> None:
+        body = Replay(receive)
+        for tries_left in range(RETRIES, -1, -1):
+            answer = Answer(self, send, body)
+            try:
+                await self.app(scope, body.reader(), answer.send)
+            except Exception:  # Serve's proxy lost the request; said below, once
+                logger.debug("Serve's proxy raised for a generation request", exc_info=True)
+            if answer.complete or body.client_left:
                 return
+            if answer.started:  # a stream cut by its ingress's loss: end it with an error
+                await send(answer.lost_stream_end())
+                return
+            if tries_left:
+                await asyncio.sleep(RETRY_PAUSE_S)
+        for message in self.unavailable(LOST):
             await send(message)
 
-        return learning
-
     def app_gone(self, start: dict) -> bool:
-        """Whether ``start`` is Serve's own 404 where a kvmesh app answered before."""
-        return (
-            start.get("status") == 404
-            and self.admission.limit is not None
-            and all(bytes(k).lower() != ADMISSION_HEADER for k, _ in start.get("headers") or [])
-        )
+        """Whether ``start`` is Serve's own 404 (no app at the route): the door runs only in
+        proxies of a Serve that kvmesh started, so the app is deleted, being redeployed, or
+        not yet known to this proxy (a proxy that Serve just restarted answers 404 until it
+        learns the routes)."""
+        return start.get("status") == 404 and not _announced(start)
 
-    def app_gone_messages(self) -> list[dict]:
-        """APP_GONE as a 503 with the learned Retry-After, in ASGI messages."""
-        error = ApiError(503, APP_GONE, "server_error", code="unavailable")
+    def unavailable(self, message: str) -> list[dict]:
+        """``message`` as a 503 with the learned Retry-After and OpenAI's body, in ASGI
+        messages."""
+        error = ApiError(503, message, "server_error", code="unavailable")
         retry_after = str(max(1, math.ceil(self.admission.retry_after_s)))
         response = JSONResponse(error.body, 503, headers={"Retry-After": retry_after})
         return [
@@ -124,6 +143,88 @@ class FrontDoor(AdmitRequests):
                 limit, retry_after_s = named
                 self.admission.resize(limit + self.spare, retry_after_s)
         return {**start, "headers": kept}
+
+
+def _announced(start: dict) -> bool:
+    """Whether an ``http.response.start`` is the ingress's answer (it names the admission)."""
+    return any(bytes(k).lower() == ADMISSION_HEADER for k, _ in start.get("headers") or [])
+
+
+class Replay:
+    """A request's ``receive`` that keeps its body, so that each try reads it whole again;
+    and whether its client left (then no try follows)."""
+
+    def __init__(self, receive: Callable) -> None:
+        self._receive = receive
+        self._body: list[dict] | None = []  # None once released
+        self.client_left = False
+
+    def release(self) -> None:
+        """No try follows (an answer started): the body need not be kept."""
+        self._body = None
+
+    def reader(self) -> Callable:
+        """A ``receive`` for one try: the body read so far, then the client's own."""
+        read = 0
+
+        async def receive() -> dict:
+            nonlocal read
+            if self._body is not None and read < len(self._body):
+                read += 1
+                return self._body[read - 1]
+            message = await self._receive()
+            if message["type"] == "http.request" and self._body is not None:
+                self._body.append(message)
+                read += 1
+            elif message["type"] == "http.disconnect":
+                self.client_left = True
+            return message
+
+        return receive
+
+
+class Answer:
+    """One try's answer on its way to the client. Nothing passes until Serve starts a
+    response: a try Serve lost before that (its ingress replica died: Serve's proxy then
+    sends nothing, and its server a 500) leaves ``started`` false, to try again. Serve's
+    own 404 is replaced by ``APP_GONE``; the ingress's answers lose ``ADMISSION_HEADER``
+    after the door learned from it."""
+
+    def __init__(self, door: FrontDoor, send: Callable, body: Replay) -> None:
+        self.door, self._send, self._body = door, send, body
+        self.started = self.complete = False
+        self._replaced = False  # Serve's 404 swapped for APP_GONE: its body is dropped
+        self._stream = False
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self._body.release()
+            if self.door.app_gone(message):
+                self._replaced = True
+                return
+            message = self.door.learn(message)
+            headers = dict((bytes(k).lower(), bytes(v)) for k, v in message.get("headers") or [])
+            self._stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+            if self._replaced:
+                for gone in self.door.unavailable(APP_GONE):
+                    await self._send(gone)
+                return
+        if self._replaced:
+            return
+        await self._send(message)
+
+    def lost_stream_end(self) -> dict:
+        """The last body message of a response cut after it started: for a stream, OpenAI's
+        error event and ``[DONE]``, as an error after the first event goes (never a reset
+        connection)."""
+        end = b""
+        if self._stream:
+            error = ApiError(503, LOST, "server_error", code="unavailable")
+            end = b"data: " + json.dumps(error.body).encode() + b"\n\ndata: [DONE]\n\n"
+        return {"type": "http.response.body", "body": end, "more_body": False}
 
 
 def middlewares() -> list[Any]:

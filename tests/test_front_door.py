@@ -18,6 +18,9 @@ from kvmesh.cluster.front_door import (
     APP_GONE,
     CALLBACK,
     CALLBACK_ENV,
+    LOST,
+    RETRIES,
+    RETRY_PAUSE_S,
     FrontDoor,
     controller_env,
     installed,
@@ -52,12 +55,19 @@ class Ingress:
         await self.app(scope, receive, send)
 
 
-async def call(app: Any, path: str = GEN, method: str = "POST") -> tuple[int, dict, bytes]:
-    """One request through ``app``: its status, headers (lower-case names) and body."""
+async def call(
+    app: Any, path: str = GEN, method: str = "POST", body: tuple[bytes, ...] = (b"{}",)
+) -> tuple[int, dict, bytes]:
+    """One request through ``app``: its status, headers (lower-case names) and body. The
+    request's body arrives in the pieces ``body``; after them, the client leaves."""
     sent: list[dict] = []
+    pieces = [
+        {"type": "http.request", "body": piece, "more_body": i < len(body) - 1}
+        for i, piece in enumerate(body)
+    ]
 
     async def receive() -> dict:
-        return {"type": "http.request", "body": b"{}", "more_body": False}
+        return pieces.pop(0) if pieces else {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         sent.append(message)
@@ -146,9 +156,12 @@ async def serve_404(scope: dict, receive: Any, send: Any) -> None:
 
 def test_a_deleted_app_is_a_503_to_retry_not_a_404() -> None:
     async def run() -> None:
-        # A door that never saw a kvmesh answer leaves Serve's 404 alone (a wrong URL).
+        # A door that never saw a kvmesh answer: a proxy Serve just restarted answers 404
+        # until it learns the routes (before: that 404 passed, and clients took it for a
+        # wrong URL). The Retry-After is the default until an answer named one.
         status, headers, body = await call(FrontDoor(serve_404))
-        assert status == 404 and body.startswith(b"Path")
+        assert status == 503 and headers["retry-after"] == "1", (status, body)
+        assert json.loads(body)["error"]["message"] == APP_GONE
 
         ingress = Ingress(limit=2, retry_after_s=2.5)
         door = FrontDoor(ingress)
@@ -170,6 +183,116 @@ def test_a_deleted_app_is_a_503_to_retry_not_a_404() -> None:
         door.app = model_not_found  # the ingress's own 404 passes
         status, _, body = await call(door)
         assert status == 404 and body == b'{"error": {}}'
+
+    asyncio.run(run())
+
+
+class LosingServe:
+    """Serve's proxy for a request whose ingress replica dies: it reads the body, then
+    sends nothing (or raises, with ``raises``) for the first ``losses`` tries; then the
+    ingress answers with the body it was sent, whole."""
+
+    def __init__(self, losses: int, raises: bool = False) -> None:
+        self.losses, self.raises, self.tries = losses, raises, 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        self.tries += 1
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        if self.tries <= self.losses:
+            if self.raises:
+                raise RuntimeError("ActorDiedError: the replica's actor died")
+            return
+        headers = [(ADMISSION_HEADER, b"limit=4; retry-after=2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_a_request_serve_lost_before_any_answer_is_sent_again_whole() -> None:
+    """Serve's proxy sends nothing for a request whose ingress replica died, and its HTTP
+    server answered 500 (before: the client got that 500)."""
+
+    async def run() -> None:
+        for raises in (False, True):
+            serve = LosingServe(losses=RETRIES, raises=raises)
+            status, _, body = await call(FrontDoor(serve), body=(b'{"prompt": ', b'"hi"}'))
+            assert (status, body, serve.tries) == (200, b'{"prompt": "hi"}', RETRIES + 1)
+
+    asyncio.run(run())
+
+
+def test_a_request_lost_on_every_try_is_a_503_to_retry_and_frees_its_place() -> None:
+    async def run() -> None:
+        serve = LosingServe(losses=RETRIES + 1)
+        door = FrontDoor(serve)
+        started = time.monotonic()
+        status, headers, body = await call(door)
+        assert serve.tries == RETRIES + 1
+        assert time.monotonic() - started >= RETRIES * RETRY_PAUSE_S
+        assert status == 503 and headers["retry-after"] == "1"
+        error = json.loads(body)["error"]
+        assert (error["message"], error["type"], error["code"]) == (
+            LOST,
+            "server_error",
+            "unavailable",
+        )
+        assert door.admission.admitted == 0
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_client_left_is_not_sent_again() -> None:
+    async def run() -> None:
+        tries = 0
+
+        async def serve_sees_the_client_leave(scope: dict, receive: Any, send: Any) -> None:
+            nonlocal tries
+            tries += 1
+            while (await receive())["type"] != "http.disconnect":
+                pass  # Serve's proxy watches for the client's leaving, then gives up
+
+        sent: list[dict] = []
+        pieces = [{"type": "http.request", "body": b"{}"}, {"type": "http.disconnect"}]
+
+        async def receive() -> dict:
+            return pieces.pop(0)
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": GEN, "headers": []}
+        await FrontDoor(serve_sees_the_client_leave)(scope, receive, send)
+        assert tries == 1 and sent == []
+
+    asyncio.run(run())
+
+
+def test_a_stream_cut_after_it_started_ends_with_an_error_event() -> None:
+    """Serve's proxy stops a stream whose ingress replica died without ending the response
+    (before: the server reset the connection mid-stream)."""
+
+    async def run() -> None:
+        tries = 0
+
+        async def cut_stream(scope: dict, receive: Any, send: Any) -> None:
+            nonlocal tries
+            tries += 1
+            headers = [(ADMISSION_HEADER, b"limit=4; retry-after=2")]
+            headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            chunk = b'data: {"choices": [{"text": "Hel"}]}\n\n'
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        status, _, body = await call(FrontDoor(cut_stream))
+        assert status == 200 and tries == 1
+        events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
+        assert events[0] == b'{"choices": [{"text": "Hel"}]}' and events[-1] == b"[DONE]"
+        error = json.loads(events[1])["error"]
+        assert (error["message"], error["code"]) == (LOST, "unavailable")
 
     asyncio.run(run())
 

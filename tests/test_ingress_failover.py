@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -16,6 +17,7 @@ import pytest
 import ray
 from ray import serve
 
+from kvmesh.cluster.front_door import LOST
 from kvmesh.cluster.liveness import ENGINE_NAMESPACE, engine_actor_name
 from kvmesh.cluster.serve_app import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT_PREFIX
 from tests.ray_fixtures import actor_pid, ray_session  # noqa: F401
@@ -76,17 +78,37 @@ def test_a_client_that_hangs_up_frees_the_worker(served) -> None:
 def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -> None:
     """An ingress replica killed mid-request: Ray does not cancel the worker's actor task
     of a caller that died, so the worker replica checks its callers and aborts the request
-    within a few health-check periods, instead of running it to max_tokens for nobody."""
+    within a few health-check periods, instead of running it to max_tokens for nobody.
+    Its clients lose nothing they can't see: the stream ends with OpenAI's error event,
+    and a request not yet answered is sent again by the front door and answered whole by
+    the replacement (before: a reset connection and a 500)."""
     app, config = served
     stream = _long_http_stream(app, config, 1900)
+    engine = ray.get_actor(engine_actor_name(busy_worker(app)), namespace=ENGINE_NAMESPACE)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none", max_retries=0, timeout=120
+    )
+    pending = ThreadPoolExecutor(1).submit(
+        client.completions.create,
+        model=config.model_name,
+        prompt=PROMPT[:40],
+        max_tokens=300,
+        extra_body={"ignore_eos": True},
+    )
+    running = lambda: ray.get(engine.occupancy.remote())["running"]  # noqa: E731
+    wait_for(lambda: running() == 2, 10, "both requests running", every=0.02)
     [ingress] = _ingress_replicas()
     ray.kill(ray.get_actor(ingress, namespace="serve"), no_restart=True)
     killed = time.monotonic()
-    aborted = "the caller of 1 running requests is gone; aborting them"
+    aborted = "the caller of 2 running requests is gone; aborting them"
     log = f"{WORKER_DEPLOYMENT_PREFIX}worker"
     wait_for(lambda: aborted in replica_log(log), 10, "the worker to abort", every=0.1)
     assert time.monotonic() - killed < 5.0
-    stream.close()
+    with pytest.raises(openai.APIError, match=LOST):
+        for _ in stream:
+            pass
+    completion = pending.result(timeout=90)
+    assert completion.usage.completion_tokens == 300
 
     def idle() -> bool:
         try:
