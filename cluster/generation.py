@@ -248,6 +248,10 @@ async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
         gone.cancel()
         if not task.done():
             task.cancel()
+    # A cancel lands at the task's next step: until then it is neither done nor cancelled
+    # (reading its result there raised InvalidStateError, logged as a 500 for a client that
+    # had left).
+    await asyncio.wait({task})
     if task.cancelled():
         raise ApiError(499, "client disconnected")  # nobody reads it; for the logs/metrics
     return task.result()

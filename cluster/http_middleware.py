@@ -9,16 +9,33 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from ray.exceptions import RayActorError
 
 from kvmesh.cluster.api_error import error_body
 from kvmesh.cluster.metrics import ServeMetrics
+
+
+def client_side(receive: Callable) -> Callable:
+    """``receive``, where the loss of Serve's proxy that holds the client's connection (its
+    actor died: Serve restarts it) reads as the client's leaving, which it is: the request
+    is cancelled as a client's, instead of failing as the server's fault with a 500 to
+    nobody and a traceback in the log."""
+
+    async def receive_or_gone() -> dict[str, Any]:
+        try:
+            return await receive()
+        except RayActorError:
+            return {"type": "http.disconnect"}
+
+    return receive_or_gone
 
 
 class LimitBody:
     """Refuse a request body over ``max_bytes`` with a 413, from its Content-Length before
     reading anything, or as soon as a chunked body passes the limit. What it admits it has
     read whole, and hands on as one message; later ``receive`` calls (the disconnect that
-    cancels a request) go to the server as before."""
+    cancels a request) go to the server as before. Behind it, a lost proxy is a client's
+    disconnect (``client_side``)."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -27,6 +44,7 @@ class LimitBody:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        receive = client_side(receive)
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._refuse(scope, receive, send)

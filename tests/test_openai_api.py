@@ -3,8 +3,10 @@ loopback and driven by the official ``openai`` client; bad input through raw HTT
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +14,7 @@ from typing import Any
 
 import openai
 import pytest
+from ray.exceptions import ActorDiedError
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
 from kvmesh.cluster.local_backend import LocalBackend
@@ -265,9 +268,14 @@ def test_disconnect_aborts(
     server: tuple[int, Spy],
     backend: LocalBackend,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     stream: bool,
     n: int,
 ) -> None:
+    """A client that leaves aborts its request's choices, and is no error of the server's
+    (before, one that left before its answer started was logged as a failed request with a
+    traceback: the cancelled backend call read before its cancellation landed)."""
+    caplog.set_level(logging.ERROR)
     engine = backend.worker.engine
     aborted: list[str] = []
     abort, step = engine.abort, engine.step
@@ -294,6 +302,64 @@ def test_disconnect_aborts(
     conn.close()
     wait_until(lambda: len(aborted) == n, "the aborts", timeout=5)
     wait_until(lambda: not backend.worker.call(engine.request_ids), "the engine to drain")
+    time.sleep(0.2)  # the route's own end, after the aborts
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_lost_serve_proxy_is_a_client_that_left(
+    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Serve's proxy holding the client's connection dies mid-stream: the ingress's
+    ``receive`` raises its ``ActorDiedError``. That is the client's leaving: the stream is
+    aborted on the engine as a disconnect's, without an error logged (before: "POST
+    /v1/completions failed (ref ...)" with a traceback, for a 500 to nobody)."""
+    engine = backend.worker.engine
+    aborted: list[str] = []
+    abort, step = engine.abort, engine.step
+
+    def slow_step() -> Any:
+        time.sleep(0.01)
+        return step()
+
+    def spy_abort(rid: str, reason: str | None = None) -> None:
+        aborted.append(rid)
+        abort(rid, reason)
+
+    monkeypatch.setattr(engine, "abort", spy_abort)
+    monkeypatch.setattr(engine, "step", slow_step)
+    app = build_api(backend, model_name=MODEL)
+    _, body = complete(max_tokens=MAX_LEN - 2, ignore_eos=True, stream=True)
+    scope = {
+        "type": "http", "method": "POST", "path": COMPLETIONS, "raw_path": COMPLETIONS.encode(),
+        "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+        "headers": [(b"content-type", b"application/json")],
+        "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000),
+    }  # fmt: skip
+    sent: list[dict] = []
+
+    async def run() -> None:
+        proxy_died = asyncio.Event()
+        pieces = [{"type": "http.request", "body": json.dumps(body).encode()}]
+
+        async def receive() -> dict:
+            if pieces:
+                return pieces.pop(0)
+            await proxy_died.wait()
+            raise ActorDiedError()
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message.get("body", b"").startswith(b"data: "):
+                proxy_died.set()  # after the first event, as a stream under way
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(run())
+    assert sent[0]["status"] == 200
+    wait_until(lambda: len(aborted) == 1, "the abort", timeout=5)
+    wait_until(lambda: not backend.worker.call(engine.request_ids), "the engine to drain")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 class Broken:
