@@ -262,6 +262,25 @@ def test_metrics(client: openai.OpenAI, server: tuple[int, Spy]) -> None:
 CHOICE_TOKENS = {1: MAX_LEN - 2, 3: 150}  # n -> max_tokens: all fit the pool at once
 
 
+def slow_engine_aborts(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Slow ``engine``'s steps, so that a full answer takes seconds and a disconnect comes
+    first; returns the list its aborts append their request ids to."""
+    aborted: list[str] = []
+    abort, step = engine.abort, engine.step
+
+    def slow_step() -> Any:
+        time.sleep(0.01)
+        return step()
+
+    def spy_abort(rid: str, reason: str | None = None) -> None:
+        aborted.append(rid)
+        abort(rid, reason)
+
+    monkeypatch.setattr(engine, "abort", spy_abort)
+    monkeypatch.setattr(engine, "step", slow_step)
+    return aborted
+
+
 @pytest.mark.parametrize("n", CHOICE_TOKENS)
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts(
@@ -277,19 +296,7 @@ def test_disconnect_aborts(
     traceback: the cancelled backend call read before its cancellation landed)."""
     caplog.set_level(logging.ERROR)
     engine = backend.worker.engine
-    aborted: list[str] = []
-    abort, step = engine.abort, engine.step
-
-    def slow_step() -> Any:
-        time.sleep(0.01)  # a full answer now takes seconds: the disconnect must come first
-        return step()
-
-    def spy_abort(rid: str, reason: str | None = None) -> None:
-        aborted.append(rid)
-        abort(rid, reason)
-
-    monkeypatch.setattr(engine, "abort", spy_abort)
-    monkeypatch.setattr(engine, "step", slow_step)
+    aborted = slow_engine_aborts(engine, monkeypatch)
     _, body = complete(max_tokens=CHOICE_TOKENS[n], ignore_eos=True, stream=stream, n=n)
     conn = http.client.HTTPConnection("127.0.0.1", server[0], timeout=30)
     conn.request("POST", COMPLETIONS, json.dumps(body), {"Content-Type": "application/json"})
@@ -314,19 +321,7 @@ def test_a_lost_serve_proxy_is_a_client_that_left(
     aborted on the engine as a disconnect's, without an error logged (before: "POST
     /v1/completions failed (ref ...)" with a traceback, for a 500 to nobody)."""
     engine = backend.worker.engine
-    aborted: list[str] = []
-    abort, step = engine.abort, engine.step
-
-    def slow_step() -> Any:
-        time.sleep(0.01)
-        return step()
-
-    def spy_abort(rid: str, reason: str | None = None) -> None:
-        aborted.append(rid)
-        abort(rid, reason)
-
-    monkeypatch.setattr(engine, "abort", spy_abort)
-    monkeypatch.setattr(engine, "step", slow_step)
+    aborted = slow_engine_aborts(engine, monkeypatch)
     app = build_api(backend, model_name=MODEL)
     _, body = complete(max_tokens=MAX_LEN - 2, ignore_eos=True, stream=True)
     scope = {
