@@ -101,7 +101,7 @@ class FrontDoor(AdmitRequests):
             answer = Answer(self, send, body)
             try:
                 await self.app(scope, body.reader(), answer.send)
-            except Exception:  # Serve's proxy lost the request; said below, once
+            except Exception:  # Serve's proxy lost the request: tried again below
                 logger.debug("Serve's proxy raised for a generation request", exc_info=True)
             if answer.complete or body.client_left:
                 return
@@ -110,6 +110,9 @@ class FrontDoor(AdmitRequests):
                 return
             if tries_left:
                 await asyncio.sleep(RETRY_PAUSE_S)
+        logger.warning(
+            "a generation request was lost %d times on its way: answered 503", RETRIES + 1
+        )
         for message in self.unavailable(LOST):
             await send(message)
 
