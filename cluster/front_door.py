@@ -77,13 +77,20 @@ LOST = "the server answering this request was lost; retry it"
 # one, or waits in Serve's queue for the replacement.
 RETRIES = 2
 RETRY_PAUSE_S = 0.2
+# kvmesh's other routes, which change nothing: a request Serve lost there is sent again too
+# (no admission; Serve's 404 passes as it is, as the ingress's own 404s there carry no
+# ``ADMISSION_HEADER`` to tell them apart).
+SAFE_PATHS = frozenset(
+    {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/openapi.json", "/docs"}
+)
 
 
 class FrontDoor(AdmitRequests):
     """``AdmitRequests`` with the limit it learns from the answers passing through: the
     ingress's ``ADMISSION_HEADER`` plus ``spare``; no limit until the first. Each admitted
-    request is sent on as an ``Answer``: tried again while Serve lost it before any answer
-    (``RETRIES``), and never left as a 500, a Serve 404 or a cut stream."""
+    request, and each to ``SAFE_PATHS``, is sent on as an ``Answer``: tried again while
+    Serve lost it before any answer (``RETRIES``), and never left as a 500, a cut stream, or
+    (generation) Serve's 404."""
 
     def __init__(
         self, app: Any, spare: int = SPARE, on_refuse: Callable[[], None] | None = None
@@ -91,18 +98,27 @@ class FrontDoor(AdmitRequests):
         super().__init__(app, Admission(None), GENERATION_PATHS, on_refuse=on_refuse)
         self.spare = spare
 
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path in SAFE_PATHS or path.startswith("/v1/models/")):
+            await self.forward(scope, receive, send, generation=False)
+            return
+        await super().__call__(scope, receive, send)
+
     def keep(self, scope: MutableMapping[str, Any], admitted: Admitted) -> None:
         """Nothing in the scope: Serve sends the scope on to the ingress, whose own
         ``AdmitRequests`` keeps its places there."""
 
-    async def forward(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def forward(
+        self, scope: dict, receive: Callable, send: Callable, generation: bool = True
+    ) -> None:
         body = Replay(receive)
         for tries_left in range(RETRIES, -1, -1):
-            answer = Answer(self, send, body)
+            answer = Answer(self, send, body, app_gone=generation)
             try:
                 await self.app(scope, body.reader(), answer.send)
             except Exception:  # Serve's proxy lost the request: tried again below
-                logger.debug("Serve's proxy raised for a generation request", exc_info=True)
+                logger.debug("Serve's proxy raised for a request", exc_info=True)
             if answer.complete or body.client_left:
                 return
             if answer.started:  # a stream cut by its ingress's loss: end it with an error
@@ -110,9 +126,7 @@ class FrontDoor(AdmitRequests):
                 return
             if tries_left:
                 await asyncio.sleep(RETRY_PAUSE_S)
-        logger.warning(
-            "a generation request was lost %d times on its way: answered 503", RETRIES + 1
-        )
+        logger.warning("a request was lost %d times on its way: answered 503", RETRIES + 1)
         for message in self.unavailable(LOST):
             await send(message)
 
@@ -193,8 +207,8 @@ class Answer:
     own 404 is replaced by ``APP_GONE``; the ingress's answers lose ``ADMISSION_HEADER``
     after the door learned from it."""
 
-    def __init__(self, door: FrontDoor, send: Callable, body: Replay) -> None:
-        self.door, self._send, self._body = door, send, body
+    def __init__(self, door: FrontDoor, send: Callable, body: Replay, app_gone: bool) -> None:
+        self.door, self._send, self._body, self._app_gone = door, send, body, app_gone
         self.started = self.complete = False
         self._replaced = False  # Serve's 404 swapped for APP_GONE: its body is dropped
         self._stream = False
@@ -203,7 +217,7 @@ class Answer:
         if message["type"] == "http.response.start":
             self.started = True
             self._body.release()
-            if self.door.app_gone(message):
+            if self._app_gone and self.door.app_gone(message):
                 self._replaced = True
                 return
             message = self.door.learn(message)

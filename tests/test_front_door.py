@@ -225,6 +225,24 @@ def test_a_request_serve_lost_before_any_answer_is_sent_again_whole() -> None:
     asyncio.run(run())
 
 
+def test_the_other_kvmesh_routes_are_sent_again_too_and_their_404s_pass() -> None:
+    async def run() -> None:
+        for path, method in (("/v1/models", "GET"), ("/health", "GET"), ("/tokenize", "POST")):
+            serve = LosingServe(losses=1)
+            status, _, body = await call(FrontDoor(serve), path, method, body=(b"x", b"y"))
+            assert (status, body, serve.tries) == (200, b"xy", 2), path
+
+        async def unknown_model(scope: dict, receive: Any, send: Any) -> None:
+            headers = [(b"content-type", b"application/json")]  # no ADMISSION_HEADER here
+            await send({"type": "http.response.start", "status": 404, "headers": headers})
+            await send({"type": "http.response.body", "body": b'{"error": {}}'})
+
+        status, _, body = await call(FrontDoor(unknown_model), "/v1/models/nope", "GET")
+        assert (status, body) == (404, b'{"error": {}}')
+
+    asyncio.run(run())
+
+
 def test_a_request_lost_on_every_try_is_a_503_to_retry_and_frees_its_place() -> None:
     async def run() -> None:
         serve = LosingServe(losses=RETRIES + 1)
