@@ -48,14 +48,23 @@ print("torn down", flush=True)
 """
 
 
+# A run that does not end dumps its Python stack on SIGUSR1, from C, even while it hangs:
+# then the failure says where (a CI run once had one such run in 20, never seen since).
+DUMP = """
+import faulthandler, signal
+faulthandler.register(signal.SIGUSR1)
+"""
+
+
 def _burst(code: str, bursts: int = 100) -> list[tuple[int | None, str]]:
     """Run ``code`` 20 times, each sent ``bursts`` rounds of the stop signals once it is
-    ready: each run's exit status (None: still running after 10 s, killed) and output."""
+    ready: each run's exit status (None: still running after 10 s, killed after dumping its
+    stack into its output) and output."""
     runs = []
     for _ in range(20):
         proc = subprocess.Popen(
-            [sys.executable, "-c", code + DONE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
+            [sys.executable, "-c", DUMP + code + DONE], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         for _ in range(bursts):
@@ -66,8 +75,13 @@ def _burst(code: str, bursts: int = 100) -> list[tuple[int | None, str]]:
             out, _ = proc.communicate(timeout=10)
             runs.append((proc.returncode, out))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            runs.append((None, proc.communicate()[0]))
+            proc.send_signal(signal.SIGUSR1)
+            try:
+                out, _ = proc.communicate(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            runs.append((None, out))
     return runs
 
 
