@@ -246,12 +246,10 @@ async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not task.done():
-            task.cancel()
-    # A cancel lands at the task's next step: until then it is neither done nor cancelled
-    # (reading its result there raised InvalidStateError, logged as a 500 for a client that
-    # had left).
-    await asyncio.wait({task})
+        # A cancel lands at the task's next step: until then it is neither done nor
+        # cancelled (reading its result there raised InvalidStateError, logged as a 500 for
+        # a client that had left).
+        await _cancel([task])
     if task.cancelled():
         raise ApiError(499, "client disconnected")  # nobody reads it; for the logs/metrics
     return task.result()

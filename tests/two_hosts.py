@@ -112,6 +112,7 @@ class TwoHosts:
         (self.dir / "owner").write_text(str(os.getpid()))
         self.home.mkdir()
         self.token_path.write_text(secrets.token_hex(32))  # as `ray get-auth-token --generate`
+        self.token_path.chmod(0o600)
         try:
             self._make_network()
             if self.rate:
