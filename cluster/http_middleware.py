@@ -1,6 +1,7 @@
-"""ASGI middleware of the HTTP API: the body limit (413) and request counting. Pure ASGI,
-not ``BaseHTTPMiddleware``, so streams and the disconnect that cancels a request pass
-through untouched. (Admission, the third, lives in ``admission.py``.)"""
+"""ASGI middleware of the HTTP API: the body limit (413), request counting, and a lost Serve
+proxy read as the client's leaving. Pure ASGI, not ``BaseHTTPMiddleware``, so streams and
+the disconnect that cancels a request pass through untouched. (Admission lives in
+``admission.py``.)"""
 
 from __future__ import annotations
 
@@ -15,27 +16,30 @@ from kvmesh.cluster.api_error import error_body
 from kvmesh.cluster.metrics import ServeMetrics
 
 
-def client_side(receive: Callable) -> Callable:
-    """``receive``, where the loss of Serve's proxy that holds the client's connection (its
-    actor died: Serve restarts it) reads as the client's leaving, which it is: the request
-    is cancelled as a client's, instead of failing as the server's fault with a 500 to
-    nobody and a traceback in the log."""
+class ClientSide:
+    """The loss of Serve's proxy that holds a request's connection (its actor died: Serve
+    restarts it) reads, in ``receive``, as the client's leaving, which it is: the request is
+    cancelled as a client's, instead of failing as the server's fault with a 500 to nobody
+    and a traceback in the log."""
 
-    async def receive_or_gone() -> dict[str, Any]:
-        try:
-            return await receive()
-        except RayActorError:
-            return {"type": "http.disconnect"}
+    def __init__(self, app: Any) -> None:
+        self.app = app
 
-    return receive_or_gone
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        async def receive_or_gone() -> dict[str, Any]:
+            try:
+                return await receive()
+            except RayActorError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_gone if scope["type"] == "http" else receive, send)
 
 
 class LimitBody:
     """Refuse a request body over ``max_bytes`` with a 413, from its Content-Length before
     reading anything, or as soon as a chunked body passes the limit. What it admits it has
     read whole, and hands on as one message; later ``receive`` calls (the disconnect that
-    cancels a request) go to the server as before. Behind it, a lost proxy is a client's
-    disconnect (``client_side``)."""
+    cancels a request) go to the server as before."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -44,7 +48,6 @@ class LimitBody:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        receive = client_side(receive)
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._refuse(scope, receive, send)

@@ -40,7 +40,7 @@ from kvmesh.cluster.http_errors import (
     OVERLOADED_STATUS,
     add_error_handlers,
 )
-from kvmesh.cluster.http_middleware import CountRequests, LimitBody
+from kvmesh.cluster.http_middleware import ClientSide, CountRequests, LimitBody
 from kvmesh.cluster.metrics import CONTENT_TYPE, ServeMetrics
 from kvmesh.cluster.openai_requests import chat_choices, completion_choices
 from kvmesh.cluster.openapi_doc import (
@@ -93,6 +93,7 @@ def build_api(
             AdmitRequests, admission=admission, paths=GENERATION_PATHS, announce=announce_limit
         )
     app.add_middleware(CountRequests, metrics=metrics, paths=GENERATION_PATHS)
+    app.add_middleware(ClientSide)
     add_error_handlers(app)
     add_openapi(app, secured=api_key is not None)
 
