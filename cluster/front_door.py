@@ -140,7 +140,7 @@ class FrontDoor(AdmitRequests):
     def unavailable(self, message: str) -> list[dict]:
         """``message`` as a 503 with the learned Retry-After and OpenAI's body, in ASGI
         messages."""
-        error = ApiError(503, message, "server_error", code="unavailable")
+        error = _unavailable(message)
         retry_after = str(max(1, math.ceil(self.admission.retry_after_s)))
         response = JSONResponse(error.body, 503, headers={"Retry-After": retry_after})
         return [
@@ -160,6 +160,10 @@ class FrontDoor(AdmitRequests):
                 limit, retry_after_s = named
                 self.admission.resize(limit + self.spare, retry_after_s)
         return {**start, "headers": kept}
+
+
+def _unavailable(message: str) -> ApiError:
+    return ApiError(503, message, "server_error", code="unavailable")
 
 
 def _announced(start: dict) -> bool:
@@ -201,17 +205,17 @@ class Replay:
 
 
 class Answer:
-    """One try's answer on its way to the client. Nothing passes until Serve starts a
-    response: a try Serve lost before that (its ingress replica died: Serve's proxy then
-    sends nothing, and its server a 500) leaves ``started`` false, to try again. Serve's
-    own 404 is replaced by ``APP_GONE``; the ingress's answers lose ``ADMISSION_HEADER``
-    after the door learned from it."""
+    """One try's answer on its way to the client, passed on as it comes. A try Serve lost
+    before it started a response (its ingress replica died: Serve's proxy then sends
+    nothing, and its server a 500) leaves ``started`` false, to try again. Serve's own 404
+    is replaced by ``APP_GONE``; the ingress's answers lose ``ADMISSION_HEADER`` after the
+    door learned from it."""
 
     def __init__(self, door: FrontDoor, send: Callable, body: Replay, app_gone: bool) -> None:
         self.door, self._send, self._body, self._app_gone = door, send, body, app_gone
         self.started = self.complete = False
         self._replaced = False  # Serve's 404 swapped for APP_GONE: its body is dropped
-        self._stream = False
+        self._headers: list[Any] = []  # the response's, read only if it is cut
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -221,8 +225,7 @@ class Answer:
                 self._replaced = True
                 return
             message = self.door.learn(message)
-            headers = dict((bytes(k).lower(), bytes(v)) for k, v in message.get("headers") or [])
-            self._stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            self._headers = message.get("headers") or []
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.complete = True
             if self._replaced:
@@ -237,10 +240,11 @@ class Answer:
         """The last body message of a response cut after it started: for a stream, OpenAI's
         error event and ``[DONE]``, as an error after the first event goes (never a reset
         connection)."""
+        types = [bytes(v) for k, v in self._headers if bytes(k).lower() == b"content-type"]
         end = b""
-        if self._stream:
-            error = ApiError(503, LOST, "server_error", code="unavailable")
-            end = b"data: " + json.dumps(error.body).encode() + b"\n\ndata: [DONE]\n\n"
+        if types and types[0].startswith(b"text/event-stream"):
+            end = b"data: " + json.dumps(_unavailable(LOST).body).encode()
+            end += b"\n\ndata: [DONE]\n\n"
         return {"type": "http.response.body", "body": end, "more_body": False}
 
 

@@ -95,8 +95,12 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
         max_tokens=300,
         extra_body={"ignore_eos": True},
     )
-    running = lambda: ray.get(engine.occupancy.remote())["running"]  # noqa: E731
-    wait_for(lambda: running() == 2, 10, "both requests running", every=0.02)
+    wait_for(
+        lambda: ray.get(engine.occupancy.remote())["running"] == 2,
+        10,
+        "both requests running",
+        every=0.02,
+    )
     [ingress] = _ingress_replicas()
     ray.kill(ray.get_actor(ingress, namespace="serve"), no_restart=True)
     killed = time.monotonic()
