@@ -8,6 +8,13 @@ first one's `set` (the same lock, not reentrant) hung the process for good, its 
 left running (3 of 20 bursts of signals here). So the handler takes no lock: it records the
 request, writes a byte to a pipe that `wait` reads (the self-pipe trick), and raises
 `Interrupted`, at most once, after `interrupt`.
+
+The kernel may hand a signal to any thread that does not block it (Ray's C++ threads are
+many): then the Python handler waits for the main thread's next bytecode, which a main thread
+asleep in `wait`'s read never reaches. `kvmesh serve`, sent its stop signals just as it began
+to wait, hung for good that way (1 in 4 stops on a busy machine). So `wait` also makes the
+pipe the interpreter's wakeup fd: the C-level handler writes to it from whichever thread
+takes the signal, and the read returns.
 """
 
 from __future__ import annotations
@@ -55,5 +62,8 @@ class StopSignals:
 
     def wait(self) -> None:
         """Return once a stop signal came: at once if one already did."""
+        # Set here, not at install: only the main thread sets it, and while it waits here
+        # nothing else can take it over (asyncio's loop does, and gives it up as -1).
+        signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         while not self.requested:
             os.read(self._read, 1)

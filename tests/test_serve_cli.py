@@ -116,7 +116,8 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
             out, _ = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise
+            # How far the teardown got ("shutting down" printed or not) says where it hung.
+            raise AssertionError(f"the stop hung; its output: {proc.communicate()[0]}") from None
     assert proc.returncode == 0, out
     assert "shutting down (running requests get up to 30 s" in out
     assert "Failed to connect to GCS" not in out, out
