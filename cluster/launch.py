@@ -61,7 +61,7 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     # Serve's proxy will bind on this machine: a port in use fails now, not after Serve's start.
     check_port_free(config)
     # address="local": a stale RAY_ADDRESS or /tmp/ray/ray_current_cluster is not joined.
-    with _ignoring_sighup():
+    with _own_process_group():
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
 
@@ -87,21 +87,33 @@ def auth_token_available() -> bool:
 
 
 @contextlib.contextmanager
-def _ignoring_sighup() -> Iterator[None]:
-    """The local Ray's processes (its GCS, raylet, agents) start with SIGHUP ignored, as under
-    nohup: a closed terminal sends SIGHUP to this command's whole process group, and they
-    died with it at once, so the teardown found no Ray to drain and waited 60 s for the GCS.
-    Ray's processes already block SIGINT (Ctrl-C's signal), and Ray stops them with SIGTERM
-    and SIGKILL, never SIGHUP. An ignored signal stays ignored across exec; a handler would
-    not. (Ray's workers start in process groups of their own: no group signal reaches them.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal.signal works in the main thread only
+def _own_process_group() -> Iterator[None]:
+    """The local Ray's processes (its GCS, raylet, and the agents the raylet starts) run in a
+    process group of their own. A closed terminal (SIGHUP), ``kill -TERM -PGID`` and
+    ``timeout`` signal this command's whole process group: they reached the GCS and raylet
+    too, which died at once, so the teardown found no Ray to drain and hung until Ray's
+    driver gave up on its GCS after 60 s and ended the process. Ray's processes still die
+    with this one (Ray's fate-sharing: the kernel's parent-death signal), Ray's workers start
+    in process groups of their own already, and Ray stops them itself with SIGTERM and
+    SIGKILL to each. (Ray does the same on Windows, where its processes get a new process
+    group whenever the kernel shares their fate.)"""
+    from ray._private import services
+
+    popen = getattr(services, "ConsolePopen", None)
+    if popen is None:  # another Ray: its processes share this group, as before
+        yield
         return
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    class OwnGroupPopen(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
     try:
         yield
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        services.ConsolePopen = popen
 
 
 def _check_answers(address: str, timeout_s: float = 5.0) -> None:

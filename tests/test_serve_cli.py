@@ -69,10 +69,11 @@ def start(cmd: list[str]) -> subprocess.Popen:
 
 
 def test_serve_answers_then_shuts_down_cleanly() -> None:
-    """Stopped by SIGHUP to its whole process group, as a closed terminal sends it (before:
-    the process died at once, without its teardown; then, the local Ray's GCS and raylet
-    died of the same SIGHUP, and the teardown waited 60 s for them), then a burst of stop
-    signals to it alone, which must not hang it or cut its teardown."""
+    """Stopped by SIGHUP and SIGTERM to its whole process group, as a closed terminal,
+    ``kill -TERM -PGID`` or ``timeout`` send them (before: the process died at once, without
+    its teardown; then, the local Ray's GCS and raylet died of the same signal, and the
+    teardown hung until Ray ended the process after 60 s without its GCS), then a burst of
+    stop signals to it alone, which must not hang it or cut its teardown."""
     port = free_port()
     flags = ["--address", "local", "--block-size", "4", "--kv-cache-memory", "8MiB"]
     proc = start(serve_cmd(port, *flags, "--api-key", "sekret"))
@@ -107,6 +108,7 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
     finally:
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGHUP)
+        os.killpg(proc.pid, signal.SIGTERM)
         # More stop signals at once (an impatient Ctrl-C, a service manager's SIGTERM): one
         # landing in the handler of the one before hung the process for good.
         for _ in range(50):
