@@ -34,7 +34,12 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
   return until both hosts serve (``heal_s``); a host b that does not serve within
   ``REJOIN_WITHIN_S`` (Ray declared it dead meanwhile) is started again, as an autoscaler
   would.
-- ``transfer_faults``, ``overload``, ``fuzz``: single-host scenarios of their own benches.
+- ``serve_plane``: Serve's controller, then its HTTP proxy, then one of two ingress replicas
+  killed under a closed loop of HTTP clients, then ``kvmesh serve`` stopped by a SIGTERM to
+  its whole process group (bench/serve_plane.py): ``refused`` counts the connections refused
+  while Serve replaced its proxy; the stop's seconds and the Ray processes it left.
+- ``transfer_faults``, ``overload``, ``fuzz``, ``serve_plane``: single-host scenarios of their
+  own benches.
   ``transfer_faults`` and ``fuzz``, whose figures are counts (and the soak's are counts and
   memory), run beside the soak and the host faults (``host_lost``, ``link_cut``: counts, and
   heal times with no target), at once, each on a Ray of its own (``beside``: one after the
@@ -284,6 +289,7 @@ ONE_HOST = {
     "transfer_faults": (["bench/transfer_faults.py"], ["--pulls", "200"]),
     "overload": (["bench/overload.py"], ["--duration", "15", "--probe", "10"]),
     "fuzz": (["bench/fuzz.py", "--cluster"], ["--cases", "100"]),
+    "serve_plane": (["bench/serve_plane.py"], ["--phase-s", "8"]),
 }
 # Those whose figures are counts, not times: they run beside the soak when it runs.
 BESIDE_SOAK = ("transfer_faults", "fuzz")

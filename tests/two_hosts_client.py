@@ -45,13 +45,15 @@ def complete(
     stream: bool = False,
     model: str = MODEL,
     on_first_text: Callable[[], None] | None = None,
+    api: openai.OpenAI | None = None,
 ) -> dict[str, Any]:
     """One greedy completion: its text, its ``kvmesh`` object, its seconds, and when
-    streamed the chunks that carried text and the seconds to the first (or an error's class
-    and HTTP status, never raised). A stream calls ``on_first_text`` when its first text arrives."""
+    streamed the chunks that carried text and the seconds to the first (or an error's class,
+    its HTTP status or cause, never raised). A stream calls ``on_first_text`` when its first
+    text arrives. ``api``: a client to reuse (its connections kept alive), else a new one."""
     body = {"ignore_eos": True}
     try:
-        c = client(base_url)
+        c = api or client(base_url)
         start = time.perf_counter()
         if not stream:
             r = c.completions.create(
@@ -89,7 +91,9 @@ def complete(
     except openai.APIStatusError as e:
         return {"ok": False, "error": type(e).__name__, "status": e.status_code}
     except (openai.APIError, httpx.HTTPError) as e:
-        return {"ok": False, "error": type(e).__name__}
+        # The cause tells a refused connection (ConnectError: nothing sent) from a cut one.
+        cause = type(e.__cause__).__name__ if e.__cause__ is not None else None
+        return {"ok": False, "error": type(e).__name__, "cause": cause}
 
 
 def wait_ready(

@@ -1,0 +1,198 @@
+"""Serve's own processes killed under load, then the command stopped through its process group.
+
+`kvmesh serve --address local` (its own Ray; ``--model``, 2 workers, 2 ingress replicas)
+serves a closed loop of ``--clients`` HTTP clients: the official ``openai`` client without
+retries, greedy, every other request streamed, chaos_common's prompts (a shared system
+prompt). One phase of ``--phase-s`` per fault, the fault ``--fault-after-s`` into it:
+
+- ``controller``: Serve's controller killed (Ray restarts it);
+- ``proxy``: Serve's HTTP proxy killed (Serve replaces it after three failed health checks;
+  meanwhile connections are refused: a client that retries, as the official one does by
+  default, gets its answer once the new proxy listens);
+- ``ingress``: one of the two ingress replicas killed (the front door sends what it had not
+  answered again; Serve replaces it).
+
+Then SIGTERM to the command's whole process group, as ``kill -TERM -PGID`` or ``timeout`` send
+it: the stop must drain in order and leave no Ray process.
+
+One JSON line: ``scenario`` "serve_plane"; ``requests`` (sent), ``failed`` (sent, and not
+answered whole), ``wrong`` (an answer unlike the no-fault reference of an in-process engine),
+``refused`` (connections refused, each followed by a pause of ``REFUSED_BACKOFF_S``: no request
+was sent, and a client that retries gets its answer later); per fault the same counts and the
+failures' kinds; the stop's seconds, exit status and the Ray processes it left.
+
+    .venv/bin/python bench/serve_plane.py [--model tiny-random] [--phase-s 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+# What each fault kills: the first process under the command whose title holds this.
+FAULTS = {
+    "controller": "ray::ServeController",
+    "proxy": "ray::ProxyActor",
+    "ingress": "ray::ServeReplica:kvmesh:KvmeshServer",
+}
+STOP_WITHIN_S = 120.0
+REFUSED_BACKOFF_S = 0.5  # a user's pause after a refused connection, as a client's retry has
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-random")
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=24, help="distinct prompts, cycled")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--phase-s", type=float, default=20.0)
+    p.add_argument("--fault-after-s", type=float, default=3.0)
+    p.add_argument("--port", type=int, default=0, help="0: a free one")
+    return p.parse_args()
+
+
+def titles(pid: int) -> list[tuple[psutil.Process, str]]:
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            out.append((p, " ".join(p.cmdline())))
+    return out
+
+
+def kill_first(pid: int, title: str) -> int:
+    """SIGKILL the first process under ``pid`` whose title holds ``title``; its pid."""
+    for p, cmdline in titles(pid):
+        if title in cmdline:
+            p.kill()
+            return p.pid
+    raise RuntimeError(f"no {title} under the command")
+
+
+def serving(log: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    """Until the command says it serves: its app deployed, every replica up."""
+    deadline = time.monotonic() + timeout_s
+    while "kvmesh: serving" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"kvmesh serve never served; see {log}")
+        time.sleep(0.5)
+
+
+def load(
+    base: str, texts: list[str], ref: list[dict], args: argparse.Namespace, fault: Any
+) -> dict:
+    """A closed loop of ``args.clients`` clients for ``args.phase_s``; ``fault`` runs
+    ``args.fault_after_s`` into it. Counts, and the failures' kinds."""
+    from tests.two_hosts_client import client, complete, streamed
+
+    counter = itertools.count()
+    lock = threading.Lock()
+    counts: collections.Counter[str] = collections.Counter()
+    kinds: collections.Counter[str] = collections.Counter()
+    end = time.monotonic() + args.phase_s
+
+    def user() -> None:
+        api = client(base)  # one per user, its connection kept alive, as an application has
+        while time.monotonic() < end:
+            i = next(counter) % len(texts)
+            r = complete(base, texts[i], args.max_tokens, streamed(i), model=args.model, api=api)
+            if r.get("cause") == "ConnectError":  # refused: nothing was sent
+                with lock:
+                    counts["refused"] += 1
+                time.sleep(REFUSED_BACKOFF_S)
+                continue
+            with lock:
+                counts["requests"] += 1
+                if not r["ok"]:
+                    counts["failed"] += 1
+                    kind = r.get("cause") or r.get("error")
+                    kinds[f"{kind} {r['status']}" if r.get("status") else kind] += 1
+                elif r["text"] != ref[i]["text"]:
+                    counts["wrong"] += 1
+
+    threads = [threading.Thread(target=user) for _ in range(args.clients)]
+    for t in threads:
+        t.start()
+    time.sleep(args.fault_after_s)
+    fault()
+    for t in threads:
+        t.join()
+    return {
+        "requests": counts["requests"],
+        "failed": counts["failed"],
+        "refused": counts["refused"],
+        "wrong": counts["wrong"],
+        "kinds": dict(kinds),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ["KVMESH_CLIENT_MODEL"] = args.model  # the clients' and the reference's model
+    from chaos_common import texts as chaos_texts
+
+    from tests.ports import free_port
+    from tests.two_hosts_client import reference, wait_ready
+
+    texts = chaos_texts(args.prompts, salt=9)
+    ref = reference(texts, args.max_tokens)["results"]
+    port = args.port or free_port()
+    base = f"http://127.0.0.1:{port}"
+    workdir = Path(tempfile.mkdtemp(prefix="serve_plane-"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.setdefault("RAY_TMPDIR", str(workdir))
+    cmd = [sys.executable, "-m", "kvmesh.cluster", "serve", "--model", args.model,
+           "--workers", "2", "--ingress-replicas", "2", "--port", str(port),
+           "--address", "local"]  # fmt: skip
+    row: dict[str, Any] = {"scenario": "serve_plane", "model": args.model, "faults": {}}
+    with open(workdir / "serve.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True
+        )
+        try:
+            serving(workdir / "serve.log", proc)
+            for name, title in FAULTS.items():
+                row["faults"][name] = load(
+                    base, texts, ref, args, lambda title=title: kill_first(proc.pid, title)
+                )
+                if not wait_ready(base, timeout=120, model=args.model)["ready"]:
+                    raise RuntimeError(f"kvmesh serve did not answer again after the {name} kill")
+            descendants = [p for p, _ in titles(proc.pid)]
+        finally:
+            sent = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)  # as `kill -TERM -PGID` and `timeout` do
+            try:
+                proc.wait(STOP_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            row["stop_s"] = round(time.monotonic() - sent, 1)
+            row["stop_rc"] = proc.returncode
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    row["left_behind"] = len(alive)
+    for p in alive:
+        p.kill()
+    for key in ("requests", "failed", "refused", "wrong"):
+        row[key] = sum(f[key] for f in row["faults"].values())
+    row["log"] = str(workdir / "serve.log")
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
