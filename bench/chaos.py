@@ -35,7 +35,7 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
   ``REJOIN_WITHIN_S`` (Ray declared it dead meanwhile) is started again, as an autoscaler
   would.
 - ``serve_plane``: Serve's controller, then its HTTP proxy, then one of two ingress replicas
-  killed under a closed loop of HTTP clients, then ``kvmesh serve`` stopped by a SIGTERM to
+  killed under a closed loop of HTTP users, then ``kvmesh serve`` stopped by a SIGTERM to
   its whole process group (bench/serve_plane.py): ``refused`` counts the connections refused
   while Serve replaced its proxy; the stop's seconds and the Ray processes it left.
 - ``transfer_faults``, ``overload``, ``fuzz``, ``serve_plane``: single-host scenarios of their

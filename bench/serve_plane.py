@@ -1,9 +1,10 @@
 """Serve's own processes killed under load, then the command stopped through its process group.
 
 `kvmesh serve --address local` (its own Ray; ``--model``, 2 workers, 2 ingress replicas)
-serves a closed loop of ``--clients`` HTTP clients: the official ``openai`` client without
-retries, greedy, every other request streamed, chaos_common's prompts (a shared system
-prompt). One phase of ``--phase-s`` per fault, the fault ``--fault-after-s`` into it:
+serves a closed loop of ``--users`` HTTP users, each with one official ``openai`` client
+(its connection kept alive) without retries: greedy, every other request streamed,
+chaos_common's prompts (a shared system prompt). One phase of ``--phase-s`` per fault, the
+fault ``--fault-after-s`` into it:
 
 - ``controller``: Serve's controller killed (Ray restarts it);
 - ``proxy``: Serve's HTTP proxy killed (Serve replaces it after three failed health checks;
@@ -59,7 +60,7 @@ REFUSED_BACKOFF_S = 0.5  # a user's pause after a refused connection, as a clien
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-random")
-    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--users", type=int, default=6)
     p.add_argument("--prompts", type=int, default=24, help="distinct prompts, cycled")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--phase-s", type=float, default=20.0)
@@ -97,7 +98,7 @@ def serving(log: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> None
 def load(
     base: str, texts: list[str], ref: list[dict], args: argparse.Namespace, fault: Any
 ) -> dict:
-    """A closed loop of ``args.clients`` clients for ``args.phase_s``; ``fault`` runs
+    """A closed loop of ``args.users`` users for ``args.phase_s``; ``fault`` runs
     ``args.fault_after_s`` into it. Counts, and the failures' kinds."""
     from tests.two_hosts_client import client, complete, streamed
 
@@ -108,7 +109,7 @@ def load(
     end = time.monotonic() + args.phase_s
 
     def user() -> None:
-        api = client(base)  # one per user, its connection kept alive, as an application has
+        api = client(base)  # one per user, its connection kept alive, as an application's
         while time.monotonic() < end:
             i = next(counter) % len(texts)
             r = complete(base, texts[i], args.max_tokens, streamed(i), model=args.model, api=api)
@@ -126,7 +127,7 @@ def load(
                 elif r["text"] != ref[i]["text"]:
                     counts["wrong"] += 1
 
-    threads = [threading.Thread(target=user) for _ in range(args.clients)]
+    threads = [threading.Thread(target=user) for _ in range(args.users)]
     for t in threads:
         t.start()
     time.sleep(args.fault_after_s)

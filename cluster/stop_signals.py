@@ -12,7 +12,7 @@ request, writes a byte to a pipe that `wait` reads (the self-pipe trick), and ra
 The kernel may hand a signal to any thread that does not block it (Ray's C++ threads are
 many): then the Python handler waits for the main thread's next bytecode, which a main thread
 asleep in `wait`'s read never reaches. `kvmesh serve`, sent its stop signals just as it began
-to wait, hung for good that way (1 in 4 stops on a busy machine). So `wait` also makes the
+to wait, hung for good that way (2 of 7 stops on a busy machine). So `wait` also makes the
 pipe the interpreter's wakeup fd: the C-level handler writes to it from whichever thread
 takes the signal, and the read returns.
 """

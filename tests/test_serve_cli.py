@@ -116,17 +116,16 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
         controllers[0].kill()
         controllers[0].wait(10)
         strict = openai.OpenAI(base_url=base, api_key="sekret", max_retries=0, timeout=10)
-        answered, deadline = 0, time.monotonic() + 30
+        deadline = time.monotonic() + 30
         while True:  # the first at once, while Ray has not restarted it yet
             chat = strict.chat.completions.create(
                 model="tiny-random", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
-            answered += chat.usage.completion_tokens >= 1
+            assert chat.usage.completion_tokens >= 1
             if [p for p in psutil.Process(proc.pid).children(recursive=True)
                     if "ray::ServeController" in cmdline(p)]:  # fmt: skip
                 break
             assert time.monotonic() < deadline, "Ray did not restart Serve's controller"
-        assert answered >= 1
         descendants = psutil.Process(proc.pid).children(recursive=True)
     finally:
         sent = time.monotonic()

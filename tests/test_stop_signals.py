@@ -35,7 +35,7 @@ print("stopped", flush=True)
 # A signal the kernel hands to another thread than the one waiting (it does when the main
 # thread has one pending or blocks them; Ray's C++ threads are many) runs the handler only at
 # the main thread's next bytecode, and a wait already asleep in the kernel never got there:
-# `kvmesh serve`, sent its stop signals just as it began to wait, hung for good (1 of 4 stops
+# `kvmesh serve`, sent its stop signals just as it began to wait, hung for good (2 of 7 stops
 # after a proxy restart on a busy machine, and once in CI). Here the main thread blocks them,
 # so every signal lands on the other thread.
 WAITS_WHILE_ANOTHER_THREAD_TAKES_THE_SIGNALS = """
