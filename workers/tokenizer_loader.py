@@ -1,7 +1,6 @@
 """A model's tokenizer alone, without torch or any weight: for the front ends that tokenize
 and route but never run the model. An ingress replica of tiny-random or of an HF directory
-loads no torch (~1.4 s of import at its start here); a GGUF's tokenizer still loads it,
-inside transformers.
+loads no torch (~1.4 s of import at its start here), nor does a GGUF's.
 
 Knows where the default model's GGUF lives and builds tiny-random's byte-level tokenizer;
 `loader.py` uses both for the weights.
@@ -14,10 +13,19 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from kvmesh.workers.gguf_metadata import read_metadata
+
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_RANDOM_VOCAB = 320  # 256 bytes, 3 ChatML specials, reserved specials up to a round size
 _TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Special token -> the GGUF key of its id (as transformers' GGUF tokenizer reads them).
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 _CHATML = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -67,18 +75,46 @@ def smollm2_gguf_path() -> Path:
 
 def load_gguf_tokenizer(path: Path) -> Any:
     """The tokenizer transformers builds from the GGUF's `tokenizer.*` metadata, chat template
-    included. Local only: never touches the HF hub. Raises ValueError if it cannot be built.
+    included, without torch. Local only: never touches the HF hub. Raises ValueError if it
+    cannot be built.
 
-    Calls `PreTrainedTokenizerFast` directly: `AutoTokenizer` gives the same tokenizer for a
-    GGUF but first parses the whole file again to pick a class (~5 s for SmolLM2-135M).
+    transformers' `from_pretrained(gguf_file=...)` gives the same tokenizer (a test holds them
+    equal), but its GGUF reader imports torch: ~1.1 s and ~165 MB more at every ingress
+    replica's start here. So the metadata comes from gguf_metadata.py, and only
+    transformers' converter (torch-free) builds the backend from it, as `from_pretrained`
+    would.
     """
     from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
+    metadata = read_metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    if "tokenizer.ggml.tokens" not in metadata or "general.architecture" not in metadata:
+        raise ValueError(f"{path}: its metadata describes no tokenizer")
+    fields, config = (
+        {
+            name: metadata[f"tokenizer.{key}"]
+            for key, name in keys.items()
+            if f"tokenizer.{key}" in metadata
+        }
+        for keys in (
+            GGUF_TOKENIZER_MAPPING["tokenizer"],
+            GGUF_TOKENIZER_MAPPING["tokenizer_config"],
         )
-    except Exception as e:  # transformers' GGUF path raises many types for unusual metadata
+    )
+    # As transformers' get_gguf_tokenizer: llama.cpp adds BOS to a sentencepiece vocabulary
+    # that does not say otherwise; Gemma 4's chat template writes <bos> itself.
+    if fields.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)
+    elif fields.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False
+    tokens = fields["tokens"]
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+    try:
+        backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], fields)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    except Exception as e:  # transformers' converters raise many types for unusual metadata
         raise ValueError(f"{path}: cannot build a tokenizer from its metadata ({e})") from e
 
 
