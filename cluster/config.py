@@ -7,7 +7,8 @@ settings that contradict each other are refused with a message that names them.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from kvmesh.workers.memory_size import parse_memory
 ROUTERS = ("kv_aware", "round_robin", "least_loaded")
 TRANSPORTS = ("nixl", "ray")
 DTYPES = ("float32", "bfloat16", "float16")
+# The API key from the environment when no setting names one, as VLLM_API_KEY is for vLLM:
+# a key kept out of command lines (`ps`), shell history and manifests (a Kubernetes Secret).
+API_KEY_ENV = "KVMESH_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,13 @@ class ServeConfig:
     connector: bool = True  # False: local prefix caching only (the baseline)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # repr=False: a config in a log line or an error message never shows the key.
+    api_key: str | None = field(default=None, repr=False)
+    # HTTPS in Serve's HTTP proxies (vLLM's --ssl-keyfile / --ssl-certfile): PEM files at
+    # these paths on every node that runs a proxy. `kvmesh serve` and ``deploy`` start Serve
+    # with them; a RayService sets them in its serveConfigV2's http_options instead.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     max_request_bytes: int = 2 * 1024 * 1024  # larger HTTP bodies get a 413
     # Admission, per ingress replica: it holds at most its share of what the workers run at
     # once (max_num_seqs each, at the most workers) plus this many sequences waiting, and
@@ -180,6 +190,23 @@ class ServeConfig:
             raise bad("disk_cache_dir", "must be a directory (leave it out for no disk tier)")
         if self.api_key == "":
             raise bad("api_key", "must not be empty (leave it out to disable auth)")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile: give both for HTTPS, or neither")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            if getattr(self, name) == "":
+                raise bad(name, "must be a file (leave it out for plain HTTP)")
+
+    @property
+    def http_options(self) -> dict[str, Any]:
+        """Serve's HTTP options for this config: the address, and TLS when set."""
+        tls = {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile}
+        return {"host": self.host, "port": self.port, **(tls if self.ssl_certfile else {})}
+
+    @property
+    def base_url(self) -> str:
+        """Where clients reach the OpenAI API."""
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://{self.host}:{self.port}/v1"
 
     @property
     def disaggregated(self) -> bool:
@@ -270,6 +297,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def with_env_api_key(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``api_key`` from ``KVMESH_API_KEY`` when they set none (a flag or a
+    file still wins). Raises ValueError when the variable is set but blank, rather than
+    serve without the key it was meant to hold."""
+    key = os.environ.get(API_KEY_ENV)
+    if key is None or settings.get("api_key") is not None:
+        return settings
+    if not key.strip():
+        raise ValueError(f"{API_KEY_ENV} is set but empty (unset it to serve without a key)")
+    return {**settings, "api_key": key}
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
@@ -307,6 +346,8 @@ _TYPES: dict[str, type] = {
     "host": str,
     "port": int,
     "api_key": str,
+    "ssl_keyfile": str,
+    "ssl_certfile": str,
     "max_request_bytes": int,
     "max_queued_requests": int,
     "retry_after_s": float,

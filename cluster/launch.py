@@ -20,6 +20,7 @@ from typing import Any
 
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.stop_signals import Interrupted, StopSignals
+from kvmesh.cluster.tls import check_tls_files
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,15 @@ def check_serve_free(config: ServeConfig, replace: bool = False) -> bool:
             f"Serve on this cluster listens on {http.host}:{http.port} (one HTTP address per "
             f"cluster); pass --host {http.host} --port {http.port}"
         )
+    if http is not None and (http.ssl_certfile, http.ssl_keyfile) != (
+        config.ssl_certfile,
+        config.ssl_keyfile,
+    ):
+        theirs = f"HTTPS with {http.ssl_certfile}" if http.ssl_certfile else "plain HTTP"
+        raise ClusterTaken(
+            f"Serve on this cluster serves {theirs} (one HTTP setup per cluster); pass the "
+            "same --ssl-certfile and --ssl-keyfile, or none"
+        )
     return True
 
 
@@ -292,7 +302,8 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
     deployment that fails raises ``DeployFailed`` naming the replica's error, at the first
     replica whose engine refused its settings (``refused_start``); one that would collide
     with what the cluster's Serve runs raises ``ClusterTaken`` before deploying."""
-    started_ray = connect_ray(config, address)  # first: it sets Ray's auth mode before import
+    check_tls_files(config)  # before a local Ray starts (deploy checks again: a millisecond)
+    started_ray = connect_ray(config, address)  # it sets Ray's auth mode before Ray's import
     import ray
 
     from kvmesh.cluster.serve_app import APP_NAME, deploy
@@ -338,7 +349,7 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
             signals.interrupting = False
             came_up = True
         print(
-            f"kvmesh: serving {config.model_name} on http://{config.host}:{config.port}/v1",
+            f"kvmesh: serving {config.model_name} on {config.base_url}",
             flush=True,
         )
         signals.wait()

@@ -41,7 +41,7 @@ from ray.serve.schema import ApplicationStatus
 from kvmesh.cluster import front_door
 from kvmesh.cluster.admission import Admission, Admitted
 from kvmesh.cluster.backend import GenerateRequest
-from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.config import ServeConfig, with_env_api_key
 from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.handle_generate import chunk_dict, completion_dict, parse_request
@@ -53,6 +53,7 @@ from kvmesh.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.replica_logs import log_like_serve
 from kvmesh.cluster.request_parsing import B, parse_dict
 from kvmesh.cluster.response_shape import ResponseShape
+from kvmesh.cluster.tls import check_tls_files
 from kvmesh.cluster.worker_deployment import WorkerDeployment
 
 logger = logging.getLogger(__name__)
@@ -294,7 +295,7 @@ def build_app(args: dict[str, Any], owner: str | None = None) -> serve.Applicati
     ingress ``KvmeshServer``. ``owner`` names who deploys it (in the ingress's user_config,
     where ``serve status`` and a later ``kvmesh serve`` read it).
     """
-    config = ServeConfig.from_dict(dict(args or {}))
+    config = ServeConfig.from_dict(with_env_api_key(dict(args or {})))
     workers = {role: _worker_deployment(config, role, c, m) for role, c, m in config.roles}
     ingress = serve.deployment(
         KvmeshServer,
@@ -349,12 +350,14 @@ def controller_env() -> dict[str, str]:
 
 
 def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.DeploymentHandle:
-    """Run the app on the connected Ray cluster (HTTP on config.host:config.port) and return
-    its handle. Call ``ray.init`` first, or this joins/starts one as Serve does. Serve, when
-    this starts it, gets kvmesh's front door in its proxies (``front_door.py``)."""
+    """Run the app on the connected Ray cluster (HTTP, or HTTPS with ``ssl_*``, on
+    config.host:config.port) and return its handle. Call ``ray.init`` first, or this
+    joins/starts one as Serve does. Serve, when this starts it, gets kvmesh's front door in
+    its proxies (``front_door.py``). Raises ValueError for TLS files that do not load."""
+    check_tls_files(config)
     door = front_door.controller_env()
     serve.start(
-        http_options={"host": config.host, "port": config.port},
+        http_options=config.http_options,
         controller_options={"runtime_env": {"env_vars": {**controller_env(), **door}}},
     )
     if door:

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from kvmesh.cluster.config import DTYPES, ServeConfig, load_yaml
+from kvmesh.cluster.config import DTYPES, ServeConfig, load_yaml, with_env_api_key
 
 # Flags that map 1:1 onto ServeConfig fields (the CLI spelling uses dashes).
 _FLAGS: dict[str, dict[str, Any]] = {
@@ -26,7 +26,12 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "transport": {"choices": ["nixl", "ray"]},
     "host": {},
     "port": {"type": int},
-    "api-key": {"help": "require this bearer key on /v1/* and /metrics"},
+    "api-key": {
+        "help": "require this bearer key on /v1/* and /metrics (or set KVMESH_API_KEY, "
+        "which keeps it out of ps)"
+    },
+    "ssl-keyfile": {"help": "HTTPS: the server's private key (PEM), with --ssl-certfile"},
+    "ssl-certfile": {"help": "HTTPS: the server's certificate chain (PEM)"},
     "max-request-bytes": {"type": int, "help": "larger HTTP bodies get a 413"},
     "max-queued-requests": {
         "type": int,
@@ -113,4 +118,4 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             settings[flag.replace("-", "_")] = value
     if args.no_connector:
         settings["connector"] = False
-    return ServeConfig.from_dict(settings)
+    return ServeConfig.from_dict(with_env_api_key(settings))

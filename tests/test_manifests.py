@@ -15,7 +15,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.config import API_KEY_ENV, ServeConfig
 from tests.k8s_validation import CRD_DIR, crd_validator, errors
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
@@ -121,6 +121,22 @@ def test_gpu_workers_and_head() -> None:
         pod = worker["template"]["spec"]
         assert pod["containers"][0]["resources"]["limits"][GPU] == "1"
         assert any(t["key"] == GPU for t in pod["tolerations"])
+
+
+def test_the_api_key_comes_from_a_secret_never_from_the_manifest() -> None:
+    """Every Ray pod of the RayService reads KVMESH_API_KEY from one optional Secret (Serve
+    may build the app on any of them), the manual RayCluster's head too (where `kvmesh
+    serve` runs); no app's args hold a key; the ServiceMonitor's comment names that Secret."""
+    secret = {"secretKeyRef": {"name": "kvmesh-api-key", "key": "key", "optional": True}}
+    want = {"name": API_KEY_ENV, "valueFrom": secret}
+    objs = by_kind(BASE_OBJECTS)
+    for template in pod_specs(objs["RayService"]):
+        assert want in template["spec"]["containers"][0]["env"]
+    head = cluster_spec(objs["RayCluster"])["headGroupSpec"]["template"]
+    assert want in head["spec"]["containers"][0]["env"]
+    _, configs = serve_apps(objs["RayService"])
+    assert configs and all(c.api_key is None for c in configs)
+    assert "name: kvmesh-api-key, key: key" in (MANIFESTS / "base" / "monitoring.yaml").read_text()
 
 
 def test_service_and_monitors_point_at_the_right_things() -> None:

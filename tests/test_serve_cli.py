@@ -4,10 +4,12 @@ SIGTERM or SIGHUP (its terminal closed) shuts down leaving no Ray process behind
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -15,10 +17,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import openai
 import psutil
 import pytest
+import trustme
 from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview
 
@@ -36,12 +40,16 @@ from tests.ports import free_port
 pytestmark = pytest.mark.slow
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+def wait_healthy(
+    port: int, proc: subprocess.Popen, timeout_s: float = 240, tls: ssl.SSLContext | None = None
+) -> None:
+    """Until /health answers ok (over HTTPS trusting ``tls``'s CA, when given)."""
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}/health"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"kvmesh serve exited early: {proc.stdout.read()}"
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2, context=tls) as r:
                 if json.loads(r.read()).get("status") == "ok":
                     return
         except (urllib.error.URLError, OSError, ValueError):
@@ -58,37 +66,61 @@ def serve_cmd(port: int, *flags: str) -> list[str]:
 ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
+def start(cmd: list[str], **env: str) -> subprocess.Popen:
     """In a session of its own, as a shell starts a command: its process group is its own,
     and a terminal's or a service manager's signal to that group reaches only it and what
-    it started (``os.killpg(proc.pid, ...)``)."""
+    it started (``os.killpg(proc.pid, ...)``). ``env``: variables added to ours."""
     return subprocess.Popen(
-        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd, env={**ENV, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
 
 
-def test_serve_answers_then_shuts_down_cleanly() -> None:
-    """Stopped by SIGHUP and SIGTERM to its whole process group, as a closed terminal,
-    ``kill -TERM -PGID`` or ``timeout`` send them (before: the process died at once, without
-    its teardown; then, the local Ray's GCS and raylet died of the same signal, and the
-    teardown hung until Ray ended the process after 60 s without its GCS), then a burst of
-    stop signals to it alone, which must not hang it or cut its teardown."""
+def test_serve_answers_then_shuts_down_cleanly(tmp_path: Path) -> None:
+    """As an operator runs it: over HTTPS (``--ssl-certfile``, ``--ssl-keyfile``), its API key
+    from the environment. Stopped by SIGHUP and SIGTERM to its whole process group, as a
+    closed terminal, ``kill -TERM -PGID`` or ``timeout`` send them (before: the process died
+    at once, without its teardown; then, the local Ray's GCS and raylet died of the same
+    signal, and the teardown hung until Ray ended the process after 60 s without its GCS),
+    then a burst of stop signals to it alone, which must not hang it or cut its teardown."""
     port = free_port()
-    flags = ["--address", "local", "--block-size", "4", "--kv-cache-memory", "8MiB"]
-    proc = start(serve_cmd(port, *flags, "--api-key", "sekret"))
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    server.private_key_pem.write_to_path(tmp_path / "key.pem")
+    server.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
+    tls = ssl.create_default_context()
+    ca.configure_trust(tls)
+    flags = ["--address", "local", "--block-size", "4", "--kv-cache-memory", "8MiB",
+             "--ssl-certfile", str(tmp_path / "cert.pem"),
+             "--ssl-keyfile", str(tmp_path / "key.pem")]  # fmt: skip
+    # The key from the environment (KVMESH_API_KEY), so no command line shows it in `ps`.
+    proc = start(serve_cmd(port, *flags), KVMESH_API_KEY="sekret")
     try:
-        wait_healthy(port, proc)
+        wait_healthy(port, proc, tls=tls)
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(p.cmdline()) for p in descendants if p.is_running())
-        base = f"http://127.0.0.1:{port}/v1"
-        client = openai.OpenAI(base_url=base, api_key="sekret")
+        shown = [cmdline(p) for p in [psutil.Process(proc.pid), *descendants] if p.is_running()]
+        assert not [c for c in shown if "sekret" in c], shown
+        base = f"https://127.0.0.1:{port}/v1"
+
+        def api(key: str, **kw: Any) -> openai.OpenAI:
+            http = openai.DefaultHttpxClient(verify=tls)
+            return openai.OpenAI(base_url=base, api_key=key, http_client=http, **kw)
+
+        client = api("sekret")
         chat = client.chat.completions.create(
             model="tiny-random", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert chat.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=base, api_key="wrong").models.list()
+            api("wrong").models.list()
+        # Plain HTTP is not served on the port, and a client that does not trust the
+        # certificate's CA does not connect.
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
+        untrusting = openai.OpenAI(base_url=base, api_key="sekret", max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            untrusting.models.list()
         # Serve's HTTP proxy killed: Serve replaces it once its health check has failed 3
         # times; kvmesh starts Serve checking every PROXY_HEALTH_CHECK_PERIOD_S, not Serve's
         # 10 s (connections refused for ~27 s here before, ~7 s now).
@@ -98,13 +130,14 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
         proxy[0].kill()
         killed = time.monotonic()
         proxy[0].wait(10)
-        wait_healthy(port, proc, timeout_s=60)
+        wait_healthy(port, proc, timeout_s=60, tls=tls)
         assert time.monotonic() - killed < 5 * float(PROXY_HEALTH_CHECK_PERIOD_S) + 5
         descendants = psutil.Process(proc.pid).children(recursive=True)
         # Up (the ingress answers /health a moment before the command says so): what is
         # drained now is a running app's, not one still coming up.
         while "kvmesh: serving" not in (line := proc.stdout.readline()):
             assert line, "kvmesh serve exited before it said it serves"
+        assert f"on https://127.0.0.1:{port}/v1" in line, line
         # Serve's controller killed: Ray restarts it. Requests never wait on it (each
         # ingress replica asks it for the app's status once a second, to drain when the app
         # is deleted: an unanswered ask is no deletion), and the stop below drains in order
@@ -115,7 +148,7 @@ def test_serve_answers_then_shuts_down_cleanly() -> None:
         assert len(controllers) == 1, [cmdline(p) for p in descendants]
         controllers[0].kill()
         controllers[0].wait(10)
-        strict = openai.OpenAI(base_url=base, api_key="sekret", max_retries=0, timeout=10)
+        strict = api("sekret", max_retries=0, timeout=10)
         deadline = time.monotonic() + 30
         while True:  # the first at once, while Ray has not restarted it yet
             chat = strict.chat.completions.create(

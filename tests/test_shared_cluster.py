@@ -59,6 +59,14 @@ def test_a_port_serve_would_ignore_is_refused() -> None:
 
 
 @pytest.mark.usefixtures("two_apps")
+def test_https_that_serve_would_ignore_is_refused() -> None:
+    """Serve runs plain HTTP here: asking for HTTPS would serve plain HTTP, silently."""
+    tls = tiny_config(ssl_certfile="cert.pem", ssl_keyfile="key.pem")
+    with pytest.raises(ClusterTaken, match=r"serves plain HTTP.*--ssl-certfile"):
+        check_serve_free(tls, replace=True)
+
+
+@pytest.mark.usefixtures("two_apps")
 def test_stop_deletes_only_its_own_app() -> None:
     # SECOND replaced FIRST's app (--replace): FIRST's stop leaves it, and Serve, running.
     deploy(tiny_config(), owner=SECOND)
