@@ -288,14 +288,21 @@ def _worker_bundle(config: ServeConfig) -> dict[str, float]:
     return bundle
 
 
-def build_app(args: dict[str, Any], owner: str | None = None) -> serve.Application:
-    """The Serve application for ``args`` (ServeConfig fields); a Serve ``import_path``.
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Serve application for ``args`` (ServeConfig fields), a Serve ``import_path``
+    (a RayService's serveConfigV2): its API key, when the args name none, from
+    ``KVMESH_API_KEY`` in the environment (a Secret in the pods)."""
+    return application(ServeConfig.from_dict(with_env_api_key(dict(args or {}))))
+
+
+def application(config: ServeConfig, owner: str | None = None) -> serve.Application:
+    """The Serve application for ``config``, as given (``deploy``'s; the CLI has read
+    ``KVMESH_API_KEY`` into it already).
 
     Deployments: ``kvmesh-worker`` (or ``kvmesh-prefill`` + ``kvmesh-decode``) and the
     ingress ``KvmeshServer``. ``owner`` names who deploys it (in the ingress's user_config,
     where ``serve status`` and a later ``kvmesh serve`` read it).
     """
-    config = ServeConfig.from_dict(with_env_api_key(dict(args or {})))
     workers = {role: _worker_deployment(config, role, c, m) for role, c, m in config.roles}
     ingress = serve.deployment(
         KvmeshServer,
@@ -362,4 +369,4 @@ def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.Deploy
     )
     if door:
         front_door.warn_if_missing()
-    return serve.run(build_app(config.to_dict(), owner), name=APP_NAME, route_prefix="/")
+    return serve.run(application(config, owner), name=APP_NAME, route_prefix="/")

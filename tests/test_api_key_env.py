@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cluster.config import API_KEY_ENV, ServeConfig
-from kvmesh.cluster.serve_app import build_app
+from kvmesh.cluster.serve_app import application, build_app
 from kvmesh.cluster.serve_flags import add_serve_args, config_from_args
 
 
@@ -59,3 +59,11 @@ def test_an_app_built_from_args_takes_the_key_from_the_environment(
     assert ingress.init_args[0]["api_key"] == "from-secret"
     named = build_app({"model": "tiny-random", "api_key": "from-args"})._bound_deployment
     assert named.init_args[0]["api_key"] == "from-args"
+
+
+def test_a_config_given_in_python_is_served_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deploy(config)`` (the Python API, `kvmesh demo`) serves exactly its config: a key in
+    the caller's environment must not lock out a demo whose own client sends none."""
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    ingress = application(ServeConfig(model="tiny-random"))._bound_deployment
+    assert ingress.init_args[0]["api_key"] is None
