@@ -38,8 +38,11 @@ so there must be none), ``suite_s`` (the suite's seconds so far) and the scenari
   killed under a closed loop of HTTP users, then ``kvmesh serve`` stopped by a SIGTERM to
   its whole process group (bench/serve_plane.py): ``refused`` counts the connections refused
   while Serve replaced its proxy; the stop's seconds and the Ray processes it left.
-- ``transfer_faults``, ``overload``, ``fuzz``, ``serve_plane``: single-host scenarios of their
-  own benches.
+- ``upgrade``: the app deployed again in place with another setting under a closed loop of
+  HTTP users, as a RayService args change is applied: Serve's rolling update replaces every
+  replica (bench/upgrade.py).
+- ``transfer_faults``, ``overload``, ``fuzz``, ``serve_plane``, ``upgrade``: single-host
+  scenarios of their own benches.
   ``transfer_faults`` and ``fuzz``, whose figures are counts (and the soak's are counts and
   memory), run beside the soak and the host faults (``host_lost``, ``link_cut``: counts, and
   heal times with no target), at once, each on a Ray of its own (``beside``: one after the
@@ -290,6 +293,7 @@ ONE_HOST = {
     "overload": (["bench/overload.py"], ["--duration", "15", "--probe", "10"]),
     "fuzz": (["bench/fuzz.py", "--cluster"], ["--cases", "100"]),
     "serve_plane": (["bench/serve_plane.py"], ["--phase-s", "8"]),
+    "upgrade": (["bench/upgrade.py"], ["--phase-s", "20"]),
 }
 # Those whose figures are counts, not times: they run beside the soak when it runs.
 BESIDE_SOAK = ("transfer_faults", "fuzz")

@@ -57,13 +57,18 @@ STOP_WITHIN_S = 120.0
 REFUSED_BACKOFF_S = 0.5  # a user's pause after a refused connection, as a client's retry has
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_load_args(p: argparse.ArgumentParser, phase_s: float) -> None:
+    """The settings of ``load``'s closed loop (bench/upgrade.py's too)."""
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--prompts", type=int, default=24, help="distinct prompts, cycled")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--phase-s", type=float, default=20.0)
+    p.add_argument("--phase-s", type=float, default=phase_s)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_load_args(p, phase_s=20.0)
     p.add_argument("--fault-after-s", type=float, default=3.0)
     p.add_argument("--port", type=int, default=0, help="0: a free one")
     return p.parse_args()
