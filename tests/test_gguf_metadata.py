@@ -108,6 +108,39 @@ def test_a_file_cut_anywhere_in_its_metadata_is_a_clear_error(tmp_path: Path, cu
         read_metadata(tmp_path / "cut.gguf", KEEP)
 
 
+def test_a_sentencepiece_gguf_tokenizer_equals_transformers_own(tmp_path: Path) -> None:
+    """A llama (sentencepiece) vocabulary, whose BOS llama.cpp adds unless the file says
+    otherwise: the branch smollm2's byte-level BPE does not take (that one: test_loader.py)."""
+    import numpy as np
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "\u2581a", "ab", "\u2581ab", "bc"]
+    w = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -2.0, -1.5, -1.2, -0.5, -1.3])
+    w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    w.add_tensor("x", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = load_tokenizer(str(tmp_path / "spm.gguf"))
+    ref = PreTrainedTokenizerFast.from_pretrained(
+        str(tmp_path), gguf_file="spm.gguf", local_files_only=True
+    )
+    assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    for text in ["ab abc", " a b", "cab", ""]:
+        assert ours(text).input_ids == ref(text).input_ids
+    assert ours("ab").input_ids[0] == 1  # BOS added
+    assert (ours.bos_token, ours.eos_token, ours.unk_token) == ("<s>", "</s>", "<unk>")
+    assert ours.chat_template == ref.chat_template
+
+
 @pytest.mark.real_model
 def test_a_gguf_tokenizer_loads_without_torch() -> None:
     """What an ingress replica of the default model does at its start: before, transformers'
