@@ -337,10 +337,12 @@ def _backpressure(config: ServeConfig) -> BackpressureConfig:
 
 
 # Serve's controller checks each HTTP proxy this often (Serve's default: 10 s) and replaces
-# one after 3 failed checks in a row: a killed proxy refused connections for ~27 s, ~7 s at
-# 2 s (BENCHMARKS.md, Failover). A check is one cheap actor call.
+# one after 3 failed checks in a row: a killed proxy refused connections for ~27 s, ~6-6.5 s
+# at 2 s, ~4-4.5 s at 1 s (BENCHMARKS.md, Failover; bench/serve_plane.py). A check is one
+# cheap actor call, and a busy proxy still has the check's own timeout (10 s) to answer: the
+# period only sets how soon a dead one is found.
 PROXY_HEALTH_ENV = "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"
-PROXY_HEALTH_CHECK_PERIOD_S = "2"
+PROXY_HEALTH_CHECK_PERIOD_S = "1"
 
 
 # A replica that failed its health checks is killed at once, not drained: a worker's callers
