@@ -141,6 +141,32 @@ def test_a_sentencepiece_gguf_tokenizer_equals_transformers_own(tmp_path: Path) 
     assert ours.chat_template == ref.chat_template
 
 
+@pytest.mark.parametrize("bos", ["past the vocabulary", "a float"])
+def test_a_corrupt_special_token_id_names_no_token(tmp_path: Path, bos: str) -> None:
+    """A BOS id past the vocabulary (transformers' own loader: an IndexError) or stored as a
+    float (before: a TypeError, not the loader's ValueError) leaves BOS unset."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(tmp_path / "odd.gguf", "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "ab", "<|end|>"])
+    w.add_token_merges(["a b"])
+    w.add_token_types([1, 1, 1, 3])
+    if bos == "a float":
+        w.add_float32("tokenizer.ggml.bos_token_id", 1.0)
+    else:
+        w.add_bos_token_id(10**6)
+    w.add_eos_token_id(3)
+    w.add_tensor("x", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = load_tokenizer(str(tmp_path / "odd.gguf"))
+    assert tok.bos_token is None and tok.eos_token == "<|end|>"
+    assert tok("ab").input_ids == [2]
+
+
 @pytest.mark.real_model
 def test_a_gguf_tokenizer_loads_without_torch() -> None:
     """What an ingress replica of the default model does at its start: before, transformers'

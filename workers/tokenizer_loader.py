@@ -110,7 +110,8 @@ def load_gguf_tokenizer(path: Path) -> Any:
     tokens = fields["tokens"]
     for name, key in _SPECIAL_TOKENS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
-        config[name] = tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+        known = isinstance(token_id, int) and 0 <= token_id < len(tokens)
+        config[name] = tokens[token_id] if known else None  # a corrupt id names no token
     try:
         backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], fields)
         return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
