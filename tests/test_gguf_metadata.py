@@ -33,10 +33,19 @@ def _reference(path: Path) -> dict[str, Any]:
     return out
 
 
-def _write(path: Path) -> Path:
-    """A GGUF with a value of every metadata type, and one tensor (which must be skipped)."""
+def _finish(w: gguf.GGUFWriter) -> None:
+    """Write the file: its metadata, then one tensor (which a metadata reader must skip)."""
     import numpy as np
 
+    w.add_tensor("x", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write(path: Path) -> Path:
+    """A GGUF with a value of every metadata type, and one tensor (which must be skipped)."""
     w = gguf.GGUFWriter(path, "llama")
     w.add_uint8("t.u8", 200)
     w.add_int8("t.i8", -100)
@@ -54,11 +63,7 @@ def _write(path: Path) -> Path:
     w.add_array("t.floats", [0.25, -1.5])
     w.add_array("t.strs", ["a", "", "日本"])
     w.add_token_list(["<s>", "héllo", " "])
-    w.add_tensor("x", np.arange(8, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return path
 
 
@@ -111,7 +116,6 @@ def test_a_file_cut_anywhere_in_its_metadata_is_a_clear_error(tmp_path: Path, cu
 def test_a_sentencepiece_gguf_tokenizer_equals_transformers_own(tmp_path: Path) -> None:
     """A llama (sentencepiece) vocabulary, whose BOS llama.cpp adds unless the file says
     otherwise: the branch smollm2's byte-level BPE does not take (that one: test_loader.py)."""
-    import numpy as np
     from transformers import PreTrainedTokenizerFast
 
     tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "\u2581a", "ab", "\u2581ab", "bc"]
@@ -124,11 +128,7 @@ def test_a_sentencepiece_gguf_tokenizer_equals_transformers_own(tmp_path: Path) 
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    w.add_tensor("x", np.zeros(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     ours = load_tokenizer(str(tmp_path / "spm.gguf"))
     ref = PreTrainedTokenizerFast.from_pretrained(
         str(tmp_path), gguf_file="spm.gguf", local_files_only=True
@@ -145,7 +145,6 @@ def test_a_sentencepiece_gguf_tokenizer_equals_transformers_own(tmp_path: Path) 
 def test_a_corrupt_special_token_id_names_no_token(tmp_path: Path, bos: str) -> None:
     """A BOS id past the vocabulary (transformers' own loader: an IndexError) or stored as a
     float (before: a TypeError, not the loader's ValueError) leaves BOS unset."""
-    import numpy as np
 
     w = gguf.GGUFWriter(tmp_path / "odd.gguf", "llama")
     w.add_tokenizer_model("gpt2")
@@ -157,11 +156,7 @@ def test_a_corrupt_special_token_id_names_no_token(tmp_path: Path, bos: str) -> 
     else:
         w.add_bos_token_id(10**6)
     w.add_eos_token_id(3)
-    w.add_tensor("x", np.zeros(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     tok = load_tokenizer(str(tmp_path / "odd.gguf"))
     assert tok.bos_token is None and tok.eos_token == "<|end|>"
     assert tok("ab").input_ids == [2]
