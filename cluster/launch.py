@@ -142,7 +142,7 @@ class ClusterTaken(RuntimeError):
 _LIVE_APP_STATES = ("DEPLOYING", "RUNNING", "UNHEALTHY")
 
 
-def _serve_details() -> Any:
+def serve_details() -> Any:
     """The running Serve's ``ServeInstanceDetails`` (None: Serve does not run). Serve's
     client is the one way to read its HTTP options and user configs without starting it."""
     from ray.serve.context import _get_global_client
@@ -174,7 +174,7 @@ def check_serve_free(config: ServeConfig, replace: bool = False) -> bool:
     differs). Returns whether Serve was already running."""
     from kvmesh.cluster.serve_app import APP_NAME
 
-    details = _serve_details()
+    details = serve_details()
     if details is None:
         return False
     for name, app in details.applications.items():
@@ -188,22 +188,29 @@ def check_serve_free(config: ServeConfig, replace: bool = False) -> bool:
             )
         if name != APP_NAME and app.route_prefix == "/":
             raise ClusterTaken(f"the Serve app {name!r} already serves route / on this cluster")
-    http = details.http_options
-    if http is not None and (http.host, http.port) != (config.host, config.port):
+    check_serve_http(config, details)
+    return True
+
+
+def check_serve_http(config: ServeConfig, details: Any) -> None:
+    """Refuse a config whose HTTP address or TLS files differ from those of the Serve that
+    runs (``details``; None: none runs): Serve has one HTTP setup per cluster, and a later
+    ``serve.start`` only logs that it ignores ours, so the app would be served at another
+    address, or over plain HTTP where HTTPS was asked for."""
+    http = details.http_options if details is not None else None
+    if http is None:
+        return
+    if (http.host, http.port) != (config.host, config.port):
         raise ClusterTaken(
             f"Serve on this cluster listens on {http.host}:{http.port} (one HTTP address per "
             f"cluster); pass --host {http.host} --port {http.port}"
         )
-    if http is not None and (http.ssl_certfile, http.ssl_keyfile) != (
-        config.ssl_certfile,
-        config.ssl_keyfile,
-    ):
+    if (http.ssl_certfile, http.ssl_keyfile) != (config.ssl_certfile, config.ssl_keyfile):
         theirs = f"HTTPS with {http.ssl_certfile}" if http.ssl_certfile else "plain HTTP"
         raise ClusterTaken(
             f"Serve on this cluster serves {theirs} (one HTTP setup per cluster); pass the "
             "same --ssl-certfile and --ssl-keyfile, or none"
         )
-    return True
 
 
 def _port_in_use(config: ServeConfig) -> DeployFailed:
@@ -236,7 +243,7 @@ def stop_serving(started_serve: bool, owner: str) -> None:
 
     from kvmesh.cluster.serve_app import APP_NAME
 
-    details = _serve_details()
+    details = serve_details()
     if details is None:
         return
     now = app_owner(details)

@@ -46,6 +46,7 @@ from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.handle_generate import chunk_dict, completion_dict, parse_request
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
+from kvmesh.cluster.launch import check_serve_http, serve_details
 from kvmesh.cluster.liveness import SILENT_PERIODS
 from kvmesh.cluster.metrics import ServeMetrics
 from kvmesh.cluster.openai_requests import chat_choices, completion_choices
@@ -362,13 +363,16 @@ def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.Deploy
     """Run the app on the connected Ray cluster (HTTP, or HTTPS with ``ssl_*``, on
     config.host:config.port) and return its handle. Call ``ray.init`` first, or this
     joins/starts one as Serve does. Serve, when this starts it, gets kvmesh's front door in
-    its proxies (``front_door.py``). Raises ValueError for TLS files that do not load."""
+    its proxies (``front_door.py``). Raises ValueError for TLS files that do not load, and
+    ``launch.ClusterTaken`` when Serve already runs with another address or TLS setup (it
+    would ignore ours)."""
     check_tls_files(config)
     door = front_door.controller_env()
     serve.start(
         http_options=config.http_options,
         controller_options={"runtime_env": {"env_vars": {**controller_env(), **door}}},
     )
+    check_serve_http(config, serve_details())
     if door:
         front_door.warn_if_missing()
     return serve.run(application(config, owner), name=APP_NAME, route_prefix="/")

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import trustme
 from ray import serve
 
-from kvmesh.cluster.launch import ClusterTaken, check_serve_free, stop_serving
+from kvmesh.cluster.launch import (
+    ClusterTaken,
+    app_owner,
+    check_serve_free,
+    serve_details,
+    stop_serving,
+)
 from kvmesh.cluster.serve_app import APP_NAME, deploy
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import SERVE_PORT, tiny_config, undeploy
@@ -64,6 +72,23 @@ def test_https_that_serve_would_ignore_is_refused() -> None:
     tls = tiny_config(ssl_certfile="cert.pem", ssl_keyfile="key.pem")
     with pytest.raises(ClusterTaken, match=r"serves plain HTTP.*--ssl-certfile"):
         check_serve_free(tls, replace=True)
+
+
+@pytest.mark.usefixtures("two_apps")
+def test_deploy_refuses_an_address_or_https_serve_would_ignore(tmp_path: Path) -> None:
+    """From Python too (before: Serve logged that it ignores the new HTTP options, at INFO,
+    and the app was served on its old address, over plain HTTP where HTTPS was asked for);
+    the running app is left as it was."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_pem.write_to_path(tmp_path / "key.pem")
+    cert.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
+    files = {"ssl_certfile": str(tmp_path / "cert.pem"), "ssl_keyfile": str(tmp_path / "key.pem")}
+    with pytest.raises(ClusterTaken, match=f"listens on 127.0.0.1:{SERVE_PORT}"):
+        deploy(tiny_config(port=SERVE_PORT + 1), owner=SECOND)
+    with pytest.raises(ClusterTaken, match="serves plain HTTP"):
+        deploy(tiny_config(**files), owner=SECOND)
+    assert app_owner(serve_details()) == FIRST
 
 
 @pytest.mark.usefixtures("two_apps")
