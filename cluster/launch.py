@@ -381,5 +381,6 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
         finally:
             if started_ray:
                 ray.shutdown()
+            signals.close()  # the stop is over: a later signal must not change the exit status
     if refused:
         raise DeployFailed(refused[0])

@@ -60,6 +60,13 @@ class StopSignals:
             self.interrupting = False
             raise Interrupted
 
+    def close(self) -> None:
+        """Ignore stop signals from now on: for the end, once the teardown is over. During
+        the interpreter's exit Python puts the default handlers back (but not an ignore), and
+        a late signal that another thread takes (Ray's) ended a clean stop with 143."""
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
     def wait(self) -> None:
         """Return once a stop signal came: at once if one already did."""
         # Set here, not at install: only the main thread sets it, and while it waits here

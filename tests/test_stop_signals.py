@@ -5,6 +5,7 @@ handler) nor cut short the teardown an interruption started."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -118,6 +119,36 @@ def test_a_wait_stops_when_another_thread_takes_the_signal() -> None:
 
 def test_a_burst_of_stop_signals_interrupts_once_and_never_the_teardown() -> None:
     assert _burst(INTERRUPTED) == [(0, "interrupted\ntorn down\n")] * 20
+
+
+# `kvmesh serve`'s end: its teardown over, stop signals keep coming (an impatient Ctrl-C,
+# a supervisor's repeated SIGTERM) while the interpreter exits, with another thread (Ray's)
+# that takes them. Python puts the default handlers back during its exit; a signal then
+# ended the process with 143 after a clean stop.
+CLOSES = """
+import threading
+from kvmesh.cluster.stop_signals import SIGNALS, StopSignals
+signals = StopSignals()
+signals.install()
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+print("ready", flush=True)
+signals.wait()
+signals.close()
+print("stopped", flush=True)
+"""
+
+
+def test_stop_signals_during_the_exit_after_a_stop_change_nothing() -> None:
+    """Signals sent without pause from the stop until the process is gone."""
+    for _ in range(5):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CLOSES], stdout=subprocess.PIPE, text=True
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        while proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+        assert (proc.returncode, proc.stdout.read()) == (0, "stopped\n")
 
 
 def test_signals_are_the_terminal_and_service_manager_ones() -> None:
