@@ -38,11 +38,12 @@ print("stopped", flush=True)
 # the main thread's next bytecode, and a wait already asleep in the kernel never got there:
 # `kvmesh serve`, sent its stop signals just as it began to wait, hung for good (2 of 7 stops
 # after a proxy restart on a busy machine, and once in CI). Here the main thread blocks them,
-# so every signal lands on the other thread. It ends with os._exit: DONE blocks the rest of
-# the burst in the main thread only, and a signal the other thread took during the
-# interpreter's exit (default handlers by then) killed one run in a CI (-15 after "stopped").
+# so every signal lands on the other thread. It ends as `kvmesh serve` does, with `close`:
+# DONE blocks the rest of the burst in the main thread only, and a signal the other thread
+# took during the interpreter's exit (default handlers by then) killed one run in a CI (-15
+# after "stopped").
 WAITS_WHILE_ANOTHER_THREAD_TAKES_THE_SIGNALS = """
-import os, signal, threading
+import signal, threading
 from kvmesh.cluster.stop_signals import SIGNALS, StopSignals
 signals = StopSignals()
 signals.install()
@@ -50,8 +51,8 @@ threading.Thread(target=threading.Event().wait, daemon=True).start()
 signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 print("ready", flush=True)
 signals.wait()
+signals.close()
 print("stopped", flush=True)
-os._exit(0)
 """
 
 INTERRUPTED = """
