@@ -149,6 +149,23 @@ def test_attention_kernel_rows_of_few_query_heads(hq: int, hkv: int, head_dim: i
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+@pytest.mark.parametrize(("hq", "hkv"), [(7, 1), (9, 3), (16, 2)])
+def test_attention_kernel_lanes_sum_v_in_tiles(hq: int, hkv: int, head_dim: int) -> None:
+    # `lanes` rows (7 or more query heads a KV head, or several tokens) sum V with head_dim in
+    # the vector, in tiles of query heads and of head_dim: 7, 8, 9, 24 and 60 query heads and
+    # 1 to 8 vectors of head_dim make full tiles and partial ones in both builds. Row 0's 20
+    # queries straddle the 128-key chunk edge; a V row read at the wrong place, or a tile's
+    # query head written to another's output, is far off the reference.
+    case = dict(query_lens=[20, 1, 3, 1, 8], seq_lens=[140, 300, 129, 17, 2056], hq=hq, hkv=hkv)
+    out, ref, meta = make_case(
+        TorchAttentionBackend(cpu_kernel=True), **case, block_size=16, num_blocks=180,
+        head_dim=head_dim,
+    )  # fmt: skip
+    assert meta.scratch["torch_plan"].kernel.num_tokens == 33
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
 def test_attention_kernel_reads_a_shared_prefix_once() -> None:
     # Six decode rows share 10 blocks (160 keys, two chunks): one shared item, then one item
     # per row for its own blocks, merged per query head.
