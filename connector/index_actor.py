@@ -2,12 +2,14 @@
 
 The actor adds what a plain class cannot know: liveness. A worker is purged when its last sign
 of life (register, heartbeat, or a batch of its own) is older than ``heartbeat_timeout_s``, or
-when the Ray actor handle it registered with has died. A background thread checks both; the
-actor is threaded (``max_concurrency``), so lookups and batches are served meanwhile, and one
-lock serialises every touch of the KvIndex (``wait_stored`` waits on a Condition over that
-same lock, woken by every change). Time the actor itself did not run (a stopped or starved
-process) is not its workers' silence: the check credits it back, so an index resumed after a
-long pause does not purge every worker at once.
+when the Ray actor handle it registered with has died. A background thread checks both. The
+actor is asynchronous: its calls run one at a time on its event loop, except that a
+``wait_stored`` awaits the next change of the index, so many can wait while lookups and
+batches are served; one lock serialises every touch of the KvIndex between the loop and the
+liveness thread. (It was threaded, and Ray starts every thread of a threaded actor at once:
+256 threads, each waiter holding one.) Time the actor itself did not run (a stopped or
+starved process) is not its workers' silence: the check credits it back, so an index resumed
+after a long pause does not purge every worker at once.
 
 Incarnation: the actor is a hint, and may die. ``get_index_actor`` creates it restartable
 (``max_restarts=-1``): a crash restarts it empty under the same name, and after a kill for
@@ -23,13 +25,15 @@ Pending entries and queries stay open: routers, which hold no worker's token, ad
 pending entries, and every answer is a hint; only a worker's token confirms an entry of that
 worker, which then lives its whole time to live (``pending_entries.py``).
 
-Ordering: a threaded actor may run two calls of one caller out of order, so a worker keeps at
+Ordering: an asynchronous actor may run two calls of one caller out of order, so a worker keeps at
 most one ``apply`` in flight (or sends several through one ``apply_many``); a reordering
 otherwise costs a gap and a snapshot, never wrong state.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -46,8 +50,9 @@ from kvmesh.connector.kv_index import DEFAULT_PENDING_TTL_S, KvIndex
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME_PREFIX = "kvmesh-index-"
-# Each ``wait_stored`` holds one of the actor's threads while it waits.
-MAX_CONCURRENCY = 256
+# Calls in flight at once (coroutines on the actor's one event loop, not threads): each
+# ``wait_stored`` counts while it waits.
+MAX_CONCURRENCY = 1000
 
 
 @ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY)
@@ -67,7 +72,10 @@ class KvIndexActor:
         self._index = KvIndex(fingerprint)
         self._incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # notified on every change of the index
+        # Set, and replaced, at every change of the index (on the event loop's thread, where
+        # the waiters are): see _notify.
+        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by the first wait_stored
         self._timeout = heartbeat_timeout_s
         if check_interval_s is None:
             check_interval_s = min(1.0, (heartbeat_timeout_s or 4.0) / 4)
@@ -109,7 +117,7 @@ class KvIndexActor:
                 self._handles.pop(worker_id, None)
             else:
                 self._handles[worker_id] = handle
-            self._changed.notify_all()
+            self._notify()
         return self._incarnation, new_token
 
     def deregister(self, worker_id: str, token: str | None) -> bool:
@@ -163,7 +171,7 @@ class KvIndexActor:
                 elif result.worker_id in self._last_seen:
                     self._last_seen[result.worker_id] = now
                 out.append(result.status)
-            self._changed.notify_all()
+            self._notify()
         return out
 
     def apply_snapshot(
@@ -180,7 +188,7 @@ class KvIndexActor:
         with self._lock:
             self._index.apply_snapshot(worker_id, hashes, next_seq, token, tiers)
             self._last_seen[worker_id] = time.monotonic()
-            self._changed.notify_all()
+            self._notify()
 
     # -- pending entries -------------------------------------------------------------------
 
@@ -206,7 +214,7 @@ class KvIndexActor:
     def drop_pending(self, pending_id: int) -> bool:
         with self._lock:
             dropped = self._index.drop_pending(pending_id)
-            self._changed.notify_all()
+            self._notify()
             return dropped
 
     def pending(self) -> dict[int, dict[str, Any]]:
@@ -220,13 +228,15 @@ class KvIndexActor:
         with self._lock:
             return {"incarnation": self._incarnation, **self._index.route_lookup(hashes)}
 
-    def wait_stored(self, worker_id: str, hashes: Sequence[bytes], timeout_s: float) -> int:
+    async def wait_stored(self, worker_id: str, hashes: Sequence[bytes], timeout_s: float) -> int:
         """Wait until ``worker_id`` holds all of ``hashes`` (per the index), or no pending entry
         of it covers more of them than it holds (dropped, stored, expired, purged), or
         ``timeout_s``; return how many leading blocks of ``hashes`` it holds then."""
+        self._loop = asyncio.get_running_loop()
         deadline = time.monotonic() + max(0.0, timeout_s)
-        with self._changed:
-            while True:
+        while True:
+            changed = self._changed  # before the check: a change after it sets this one
+            with self._lock:
                 held = self._index.held_depth(worker_id, hashes)
                 if held >= len(hashes) or self._index.pending_depth(worker_id, hashes) <= held:
                     return held
@@ -237,7 +247,8 @@ class KvIndexActor:
                 expiry = self._index.next_pending_expiry()
                 if expiry is not None:
                     wake = min(wake, expiry)
-                self._changed.wait(max(wake - now, 0.001))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(wake - now, 0.001))
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -273,8 +284,18 @@ class KvIndexActor:
         self._handles.pop(worker_id, None)
         self._pings.pop(worker_id, None)
         purged = self._index.purge(worker_id)
-        self._changed.notify_all()
+        self._notify()
         return purged
+
+    def _notify(self) -> None:
+        """Wake every ``wait_stored`` (from any thread): they check again. Before the first
+        wait there is no loop to wake and nobody waiting."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake_waiters)
+
+    def _wake_waiters(self) -> None:  # on the loop: waiters hold the event they wait on
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def _liveness_loop(self) -> None:
         last = time.monotonic()

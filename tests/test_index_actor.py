@@ -260,6 +260,27 @@ def test_wait_stored_returns_on_store_drop_expiry_and_timeout(fingerprint: str) 
     ray.kill(index)
 
 
+def test_waiters_hold_no_thread_and_a_purge_wakes_them(fingerprint: str) -> None:
+    # 300 waiters at once, more than the 256 threads the threaded actor had (Ray started
+    # them all with the actor, each waiter holding one): the asynchronous actor keeps them
+    # on its event loop, in a process of a few dozen threads, and the liveness thread's purge
+    # of the worker they wait for (its actor killed) wakes every one.
+    index = get_index_actor(fingerprint, heartbeat_timeout_s=None, check_interval_s=0.1)
+    doomed = DummyWorker.remote()
+    ray.get(doomed.ping.remote())
+    ray.get(index.register.remote("doomed", fingerprint, None, doomed))
+    ray.get(index.add_pending.remote("doomed", BASE[:6], 24))
+    waiters = [index.wait_stored.remote("doomed", BASE[:6], 60.0) for _ in range(300)]
+    assert ray.wait(waiters, timeout=0.5)[0] == []
+    assert len(os.listdir(f"/proc/{actor_pid(index)}/task")) < 64
+    assert ray.get(index.lookup.remote(BASE)) == {}  # answered while they wait
+    ray.kill(doomed)
+    start = time.monotonic()
+    assert ray.get(waiters, timeout=15) == [0] * 300
+    assert time.monotonic() - start < 5.0
+    ray.kill(index)
+
+
 def test_calls_for_a_worker_need_its_token(fingerprint: str) -> None:
     """A second driver cannot feed, snapshot, heartbeat, deregister or take over a worker."""
     index = get_index_actor(fingerprint, heartbeat_timeout_s=None)
