@@ -76,6 +76,7 @@ class KvIndexActor:
         # the waiters are): see _notify.
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # set by the first wait_stored
+        self._waiters = 0  # wait_stored calls now (on the loop's thread)
         self._timeout = heartbeat_timeout_s
         if check_interval_s is None:
             check_interval_s = min(1.0, (heartbeat_timeout_s or 4.0) / 4)
@@ -234,21 +235,25 @@ class KvIndexActor:
         ``timeout_s``; return how many leading blocks of ``hashes`` it holds then."""
         self._loop = asyncio.get_running_loop()
         deadline = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            changed = self._changed  # before the check: a change after it sets this one
-            with self._lock:
-                held = self._index.held_depth(worker_id, hashes)
-                if held >= len(hashes) or self._index.pending_depth(worker_id, hashes) <= held:
-                    return held
-                now = time.monotonic()
-                if now >= deadline:
-                    return held
-                wake = deadline  # or when the next entry expires (expiry notifies nobody)
-                expiry = self._index.next_pending_expiry()
-                if expiry is not None:
-                    wake = min(wake, expiry)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), max(wake - now, 0.001))
+        self._waiters += 1  # before the first check: every change after it notifies
+        try:
+            while True:
+                changed = self._changed  # before the check: a change after it sets this one
+                with self._lock:
+                    held = self._index.held_depth(worker_id, hashes)
+                    if held >= len(hashes) or self._index.pending_depth(worker_id, hashes) <= held:
+                        return held
+                    now = time.monotonic()
+                    if now >= deadline:
+                        return held
+                    wake = deadline  # or when the next entry expires (expiry notifies nobody)
+                    expiry = self._index.next_pending_expiry()
+                    if expiry is not None:
+                        wake = min(wake, expiry)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), max(wake - now, 0.001))
+        finally:
+            self._waiters -= 1
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -288,9 +293,9 @@ class KvIndexActor:
         return purged
 
     def _notify(self) -> None:
-        """Wake every ``wait_stored`` (from any thread): they check again. Before the first
-        wait there is no loop to wake and nobody waiting."""
-        if self._loop is not None:
+        """Wake every ``wait_stored`` (from any thread): they check again. With nobody
+        waiting (most batches), nothing: no call onto the loop for each."""
+        if self._loop is not None and self._waiters:
             self._loop.call_soon_threadsafe(self._wake_waiters)
 
     def _wake_waiters(self) -> None:  # on the loop: waiters hold the event they wait on
