@@ -88,11 +88,13 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none", max_retries=0, timeout=120
     )
+    # Long enough to outlast the worker's check on its callers: a short one (300 tokens,
+    # ~0.4 s here) could end before the check and leave it 1 running request to abort.
     pending = ThreadPoolExecutor(1).submit(
         client.completions.create,
         model=config.model_name,
         prompt=PROMPT[:40],
-        max_tokens=300,
+        max_tokens=1500,
         extra_body={"ignore_eos": True},
     )
     wait_for(
@@ -112,7 +114,7 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
         for _ in stream:
             pass
     completion = pending.result(timeout=90)
-    assert completion.usage.completion_tokens == 300
+    assert completion.usage.completion_tokens == 1500
 
     def idle() -> bool:
         try:
