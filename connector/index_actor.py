@@ -6,10 +6,9 @@ when the Ray actor handle it registered with has died. A background thread check
 actor is asynchronous: its calls run one at a time on its event loop, except that a
 ``wait_stored`` awaits the next change of the index, so many can wait while lookups and
 batches are served; one lock serialises every touch of the KvIndex between the loop and the
-liveness thread. (It was threaded, and Ray starts every thread of a threaded actor at once:
-256 threads, each waiter holding one.) Time the actor itself did not run (a stopped or
-starved process) is not its workers' silence: the check credits it back, so an index resumed
-after a long pause does not purge every worker at once.
+liveness thread. Time the actor itself did not run (a stopped or starved process) is not its
+workers' silence: the check credits it back, so an index resumed after a long pause does not
+purge every worker at once.
 
 Incarnation: the actor is a hint, and may die. ``get_index_actor`` creates it restartable
 (``max_restarts=-1``): a crash restarts it empty under the same name, and after a kill for
@@ -50,8 +49,8 @@ from kvmesh.connector.kv_index import DEFAULT_PENDING_TTL_S, KvIndex
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME_PREFIX = "kvmesh-index-"
-# Calls in flight at once (coroutines on the actor's one event loop, not threads): each
-# ``wait_stored`` counts while it waits.
+# Calls in flight at once: coroutines on one event loop (a threaded actor starts all its
+# threads at once, 256 of them here before), each ``wait_stored`` counting while it waits.
 MAX_CONCURRENCY = 1000
 
 
@@ -72,9 +71,7 @@ class KvIndexActor:
         self._index = KvIndex(fingerprint)
         self._incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
-        # Set, and replaced, at every change of the index (on the event loop's thread, where
-        # the waiters are): see _notify.
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # set and replaced at every change (_notify)
         self._loop: asyncio.AbstractEventLoop | None = None  # set by the first wait_stored
         self._waiters = 0  # wait_stored calls now (on the loop's thread)
         self._timeout = heartbeat_timeout_s
@@ -293,8 +290,7 @@ class KvIndexActor:
         return purged
 
     def _notify(self) -> None:
-        """Wake every ``wait_stored`` (from any thread): they check again. With nobody
-        waiting (most batches), nothing: no call onto the loop for each."""
+        """Wake every ``wait_stored`` (from any thread); no call onto the loop if none waits."""
         if self._loop is not None and self._waiters:
             self._loop.call_soon_threadsafe(self._wake_waiters)
 
