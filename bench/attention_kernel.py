@@ -15,6 +15,7 @@ from an older commit too (bench/at_commit.py) and compare both, in one sitting. 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import random
@@ -35,7 +36,9 @@ CASES = {
 }
 
 
-def run_case(lib, hq: int, hkv: int, rows: list[tuple[int, int]], args) -> dict:
+def run_case(
+    lib: ctypes.CDLL, hq: int, hkv: int, rows: list[tuple[int, int]], args: argparse.Namespace
+) -> dict:
     gen = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     nblocks = [-(-keys // BLOCK_SIZE) for _, keys in rows]
