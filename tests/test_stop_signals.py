@@ -55,6 +55,11 @@ signals.close()
 print("stopped", flush=True)
 """
 
+# A deployment that never comes up, waited for as serve.run waits: it polls, a sleep of
+# CLIENT_POLLING_INTERVAL_S (1 s) at a time. Not one long sleep: a signal that lands after
+# the interpreter's last check for signals and before the sleep's system call only trips
+# the handler, which then runs when that sleep ends (a CI run hung 10 s in a 60 s sleep, 1
+# run in 20, and SIGUSR1's EINTR ran the handler at last). Polling bounds that to one poll.
 INTERRUPTED = """
 import time
 from kvmesh.cluster.stop_signals import SIGNALS, Interrupted, StopSignals
@@ -63,7 +68,8 @@ signals.install()
 try:
     signals.interrupt()
     print("ready", flush=True)
-    time.sleep(60)  # a deployment that never comes up
+    while True:
+        time.sleep(1.0)
 except Interrupted:
     print("interrupted", flush=True)
 time.sleep(0.5)  # the teardown, while the burst goes on
