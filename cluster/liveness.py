@@ -12,8 +12,8 @@ off) waits for Serve to give up on the replica: three failed health checks and t
 graceful stop of up to ``drain_timeout_s`` that the hung process cannot answer (about 90 s
 measured with the defaults), while its client sees nothing. A request may wait a long time
 for its first token (queued, waiting for a peer's prefix, a long prefill), so a silent step
-thread is no sign. The keep-alive comes from the engine's stream threads, apart from the step
-thread, and passes through the replica, so its silence says a process on the way does not
+thread is no sign. The keep-alive comes from the engine's streams (coroutines), apart from the
+step thread, and passes through the replica, so its silence says a process on the way does not
 answer: the engine's or the replica's.
 """
 

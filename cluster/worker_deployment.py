@@ -46,8 +46,8 @@ PENDING_WAIT_S = 60.0
 READY_TIMEOUT_S = 300.0  # model load on a cold node
 # Health checks in a row the engine actor left unanswered before it counts as hung.
 HUNG_AFTER_SILENT_CHECKS = 2
-# Engine stream threads beyond Serve's max_ongoing_requests: a cancelled call holds its
-# thread until its stream next asks (``CANCEL_POLL_S``), while the next call may come.
+# Engine streams beyond Serve's max_ongoing_requests: a cancelled call may not have ended
+# yet (its abort awaits the step thread) when the next call comes.
 STREAM_SPARE = 16
 
 
@@ -109,9 +109,9 @@ class WorkerDeployment:
             if self.config.connector
             else None
         )
-        # A thread for every call Serve may send here at once (and the few still ending after
-        # a cancel): a call queued for one would send no keep-alive, and its request would
-        # count as lost on a healthy, full worker.
+        # Room for every call Serve may send here at once (and the few still ending after a
+        # cancel): a call Ray queued would send no keep-alive, and its request would count
+        # as lost on a healthy, full worker.
         streams = self.config.worker_max_ongoing_requests + STREAM_SPARE
         cls = worker_actor_class(
             self.config.num_gpus_per_worker, self.config.num_cpus_per_worker, streams

@@ -334,7 +334,7 @@ def test_a_full_worker_keeps_every_call_alive(app) -> None:
     """More calls at once on a worker than its engine actor had stream threads (64 before):
     Ray queued the rest, which sent nothing, not even a keep-alive, so each counted as lost
     on a healthy worker after ``SILENT_PERIODS`` periods (2.5 s here) and moved. The engine
-    actor now has a thread for every call Serve may send its replica."""
+    actor now takes every call Serve may send its replica (a coroutine each)."""
     n = 160  # 80 a worker: round robin
     bodies = [
         {"prompt": [*PROMPT, i], "max_tokens": 300, "ignore_eos": True, "temperature": 0}

@@ -7,8 +7,10 @@ Thread model (written down because three kinds of threads meet here):
   expired leases, ``engine.step()``. It never waits on the network: the connector looks up
   and loads on threads of its own, and wakes the step thread (``attach``) when an answer or
   a load's result is ready. When every request waits on the connector it sleeps until then.
-- Caller threads (the Ray actor's concurrency group, or a test) never touch the engine: they
-  enqueue a command and wait on its future (``call``), or wait on a request's delta queue.
+- Callers (the Ray actor's coroutines, or a test's thread) never touch the engine: they
+  enqueue a command and wait on its future (``call``, or ``acall`` without a thread), or
+  await a request's deltas (``astream``: the step thread hands each to the stream's event
+  loop).
 - Peer commands (``pin`` / ``release``) go on a separate queue, served every iteration, so a
   peer's pull waits at most one step for its pin (and two workers pulling from each other
   cannot deadlock: neither step thread waits for the other). Pins go through the KV cache
@@ -20,13 +22,14 @@ Thread model (written down because three kinds of threads meet here):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -43,7 +46,6 @@ from kvmesh.workers.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.01
-CANCEL_POLL_S = 0.1  # how often a stream waiting for its next delta asks if its caller left
 
 
 class Worker:
@@ -134,7 +136,11 @@ class Worker:
         self._wake.set()
         return fut
 
-    def stream(
+    async def acall(self, fn: Callable[[], T], peer: bool = False) -> T:
+        """``call`` for a coroutine: waits for the step thread without holding a thread."""
+        return await asyncio.wrap_future(self.submit(fn, peer))
+
+    async def astream(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
@@ -142,10 +148,11 @@ class Worker:
         resumed_token_ids: Sequence[int] = (),
         pull_plan: PullPlan | None = None,
         interval_s: float = 0.0,
-        cancelled: Callable[[], bool] = lambda: False,
         keepalive_s: float | None = None,
-    ) -> Iterator[StreamDelta]:
-        """Queue a request; yield its deltas as the step thread produces them.
+    ) -> AsyncIterator[StreamDelta]:
+        """Queue a request; yield its deltas as the step thread produces them. A coroutine
+        waits for them, so a stream holds no thread: a worker actor serves as many streams
+        as its caller sends on one event loop.
 
         ``resumed_token_ids``: output tokens another worker already streamed; the deltas go
         on from there (see ``LLMEngine.make_request``). ``pull_plan``: the router's plan for
@@ -156,21 +163,28 @@ class Worker:
         caller was busy still go as one.
         Every hop after this one (Ray, the ingress, the HTTP stream) costs per message, not
         per token; vLLM's output collector merges a lagging stream's outputs the same way.
-        ``cancelled``: asked every ``CANCEL_POLL_S`` while no delta comes, and between
-        deltas; True ends the stream and aborts the request, also one still waiting for its
-        turn (it yields nothing until then: only a check while waiting sees its caller go).
         ``keepalive_s``: yield an empty delta (a keep-alive) after each ``keepalive_s`` with
-        none to yield (queued, loading its prefix, a long
-        prefill), so that a caller across the network tells a waiting request from a hung
-        process (``cluster.liveness``); the waits and the step thread are apart, so a long
-        step does not silence it.
+        none to yield (queued, loading its prefix, a long prefill), so that a caller across
+        the network tells a waiting request from a hung process (``cluster.liveness``); the
+        waits and the step thread are apart, so a long step does not silence it.
+        A stream closed or cancelled before its request finished aborts the request and
+        frees its blocks, also one still waiting for its turn.
         """
-        deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
-        # Validates, and replays resumed tokens through the detokenizer, on this thread.
-        tracked = self.engine.make_request(
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
+
+        def on_delta(delta: StreamDelta) -> None:  # on the step thread
+            # A stream whose loop is gone (a closed synchronous ``stream``) takes no more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+        # Validates, and replays resumed tokens through the detokenizer (a text prompt is
+        # tokenized): off the loop, which other streams share.
+        tracked = await asyncio.to_thread(
+            self.engine.make_request,
             prompt,
             params,
-            on_delta=deltas.put,
+            on_delta=on_delta,
             resumed_token_ids=resumed_token_ids,
             pull_plan=pull_plan,
         )
@@ -180,38 +194,53 @@ class Worker:
         last_yield = -math.inf
         try:
             # The step thread takes it between two steps, and a step may be long.
-            while not _done(queued, keepalive_s):
+            waiting = asyncio.wrap_future(queued)
+            while not (await asyncio.wait([waiting], timeout=keepalive_s))[0]:
                 yield StreamDelta(rid)
-            queued.result()  # raises what enqueue raised (a request id already running)
+            waiting.result()  # raises what enqueue raised (a request id already running)
             while not finished:
                 due = last_yield + interval_s
-                delta = _next(deltas, cancelled, keepalive_s)
-                if delta is None:
-                    return
-                if delta is _SILENCE:
-                    yield StreamDelta(rid)  # not a yield of the interval's: last_yield stays
+                try:
+                    async with asyncio.timeout(keepalive_s):
+                        delta = await deltas.get()
+                except TimeoutError:
+                    yield StreamDelta(rid)  # a keep-alive: not the interval's, last_yield stays
                     continue
                 # Merge what comes until the interval is over, or the request finishes.
                 while delta.finish_reason is None:
-                    wait = due - time.monotonic()
                     try:
-                        later = deltas.get(timeout=wait) if wait > 0 else deltas.get_nowait()
-                    except queue.Empty:
+                        async with asyncio.timeout(max(0.0, due - loop.time())):
+                            later = await deltas.get()
+                    except TimeoutError:
                         break
                     delta = delta.merged(later)
                 if delta.finish_reason == "error":
                     raise RuntimeError(f"{self.worker_id}: request {rid} failed in the engine")
                 finished = delta.finish_reason is not None
                 yield delta
-                last_yield = time.monotonic()
+                last_yield = loop.time()
         finally:
-            # The caller went away: free the request's blocks (once it is queued: the abort
-            # runs after the enqueue, commands keep their order). One whose enqueue failed is
-            # another's id, not to abort.
-            if not finished and queued.exception() is None:
-                self.call(lambda: self.engine.abort(rid))
+            # The caller went away: free the request's blocks. Commands keep their order, so
+            # the abort runs after the enqueue; one whose enqueue failed is another's id.
+            if not finished:
+                await self.acall(lambda: None if queued.exception() else self.engine.abort(rid))
 
-    def generate(
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[StreamDelta]:
+        """``astream`` for a caller without an event loop (tests, scripts): the same
+        deltas, each awaited on a loop of this generator's own."""
+        loop = asyncio.new_event_loop()
+        deltas = self.astream(*args, **kwargs)
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(anext(deltas))
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(deltas.aclose())  # a stream closed early aborts here
+            loop.close()
+
+    async def agenerate(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
@@ -219,13 +248,18 @@ class Worker:
         resumed_token_ids: Sequence[int] = (),
         pull_plan: PullPlan | None = None,
     ) -> RequestOutput:
-        stream = self.stream(
+        stream = self.astream(
             prompt, params, resumed_token_ids=resumed_token_ids, pull_plan=pull_plan
         )
-        for delta in stream:
-            if delta.output is not None:
-                return delta.output
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                if delta.output is not None:
+                    return delta.output
         raise RuntimeError("request ended without an output")
+
+    def generate(self, *args: Any, **kwargs: Any) -> RequestOutput:
+        """``agenerate`` for a caller without an event loop."""
+        return asyncio.run(self.agenerate(*args, **kwargs))
 
     def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
         """Hold the cached blocks of ``hashes`` for a peer; (lease id, block ids) or None.
@@ -283,31 +317,3 @@ class Worker:
         self._wake.set()
         self._thread.join(timeout=5)
         self.kv.connector.close()
-
-
-_SILENCE = StreamDelta("")  # ``_next``'s "none came within keepalive_s"
-
-
-def _done(fut: Future, keepalive_s: float | None) -> bool:
-    """Whether ``fut`` is done, waiting for it up to ``keepalive_s`` (None: until it is)."""
-    futures.wait([fut], keepalive_s)
-    return fut.done()
-
-
-def _next(
-    deltas: queue.SimpleQueue[StreamDelta],
-    cancelled: Callable[[], bool],
-    keepalive_s: float | None,
-) -> StreamDelta | None:
-    """The next delta; ``_SILENCE`` when none came within ``keepalive_s``; None once
-    ``cancelled()`` says the caller went away."""
-    give_up = math.inf if keepalive_s is None else time.monotonic() + keepalive_s
-    while not cancelled():
-        wait = min(CANCEL_POLL_S, give_up - time.monotonic())
-        if wait <= 0:
-            return _SILENCE
-        try:
-            return deltas.get(timeout=wait)
-        except queue.Empty:
-            continue
-    return None

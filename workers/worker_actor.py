@@ -1,11 +1,15 @@
 """The worker as a Ray actor: a thin wrapper over ``Worker`` (see its thread model).
 
-The actor is threaded, in three concurrency groups, so no kind of call can starve another:
-streams (the default group, one thread per request for its whole life), ``peers`` (pins,
-releases and block exports from pulling peers) and ``control`` (health checks, load, stats,
-flushes). A full house of long streams must not make the health check time out (Serve
-would kill a healthy worker) nor a peer's pull wait. Only ``Worker``'s step thread touches
-the engine.
+The actor is asynchronous: a stream is a coroutine waiting for its request's deltas, not a
+thread, so an engine actor serving hundreds of streams runs a few dozen threads (it ran ~330
+as a threaded actor, a thread per stream its caller may send). Its methods run in three
+concurrency groups, each on an event loop of its own, so no kind of call can starve another:
+streams (the default group), ``peers`` (pins, releases and block exports from pulling peers)
+and ``control`` (health checks, load, stats, flushes). A full house of long streams must not
+make the health check time out (Serve would kill a healthy worker) nor a peer's pull wait.
+So no method blocks its loop: a stream awaits its deltas, and a call that waits for the
+step thread or takes a thread's work (a copy of KV bytes, a disk read, a Ray call) runs in
+the loop's executor, a few threads reused. Only ``Worker``'s step thread touches the engine.
 
 This module stays light (no torch, no engine at import): deserializing an actor handle makes
 Ray import its class's module, and the index actor receives every worker's handle. With torch
@@ -16,10 +20,11 @@ loss waited for it) and held ~180 MB of torch it never uses. ``Worker`` and torc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -61,7 +66,7 @@ class WorkerActor:
         self._checked_at = time.monotonic()  # the last ``health`` call: its replica's check
 
     @_control
-    def ready(self) -> dict[str, Any]:
+    async def ready(self) -> dict[str, Any]:
         eng = self.worker.engine
         return {
             "worker_id": self.worker.worker_id,
@@ -74,7 +79,7 @@ class WorkerActor:
             "vocab_size": eng.model_config.vocab_size,
         }
 
-    def generate(
+    async def generate(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
@@ -82,11 +87,11 @@ class WorkerActor:
         resumed_token_ids: Sequence[int] = (),
         pull_plan: PullPlan | None = None,
     ) -> RequestOutput:
-        return self.worker.generate(
+        return await self.worker.agenerate(
             prompt, params, resumed_token_ids=resumed_token_ids, pull_plan=pull_plan
         )
 
-    def generate_stream(
+    async def generate_stream(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
@@ -95,62 +100,58 @@ class WorkerActor:
         pull_plan: PullPlan | None = None,
         interval_s: float = 0.0,
         keepalive_s: float | None = None,
-    ) -> Iterator[StreamDelta]:
+    ) -> AsyncIterator[StreamDelta]:
         """The request's deltas as they come, at most one per ``interval_s``, and an empty
-        one after each ``keepalive_s`` without any (see ``Worker.stream``). ``pull_plan``:
-        the router's plan for the prefix (holder, depth), used by the connector unless
-        stale."""
-        # A caller that went away (a closed HTTP stream) cancels this task: a threaded actor
-        # cannot be interrupted, so the stream asks (while it waits for a delta too: a
-        # request still waiting for its turn sends none); it then aborts the request and
-        # frees its blocks.
-        cancelled = ray.get_runtime_context().is_canceled
-        stream = self.worker.stream(
+        one after each ``keepalive_s`` without any (see ``Worker.astream``). ``pull_plan``:
+        the router's plan for the prefix, used by the connector unless stale. A caller that
+        went away (a closed HTTP stream) cancels this task (``ray.cancel``): the stream
+        aborts the request and frees its blocks at once."""
+        stream = self.worker.astream(
             prompt,
             params,
             resumed_token_ids=resumed_token_ids,
             pull_plan=pull_plan,
             interval_s=interval_s,
-            cancelled=cancelled,
             keepalive_s=keepalive_s,
         )
-        with contextlib.closing(stream):
-            for delta in stream:
-                if cancelled():
-                    return
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
                 yield delta
 
     @_peers
-    def pin(self, hashes: Sequence[BlockHash], lease_s: float) -> tuple[str, list[int]] | None:
-        return self.worker.pin(hashes, lease_s)
+    async def pin(
+        self, hashes: Sequence[BlockHash], lease_s: float
+    ) -> tuple[str, list[int]] | None:
+        return await asyncio.to_thread(self.worker.pin, hashes, lease_s)
 
     @_peers
-    def release(self, lease_id: str) -> None:
-        self.worker.release(lease_id)
+    async def release(self, lease_id: str) -> None:
+        await asyncio.to_thread(self.worker.release, lease_id)
 
     @_peers
-    def export_blocks(self, lease_id: str, block_ids: Sequence[int]) -> np.ndarray:
-        """The bytes of blocks under the caller's live lease; PermissionError otherwise."""
-        return self.worker.export_blocks(lease_id, block_ids)
+    async def export_blocks(self, lease_id: str, block_ids: Sequence[int]) -> np.ndarray:
+        """The bytes of blocks under the caller's live lease; PermissionError otherwise
+        (copied in the loop's executor: megabytes, and the GIL is released)."""
+        return await asyncio.to_thread(self.worker.export_blocks, lease_id, block_ids)
 
     @_control
-    def cached_hashes(self) -> list[BlockHash]:
-        return self.worker.cached_hashes()
+    async def cached_hashes(self) -> list[BlockHash]:
+        return await asyncio.to_thread(self.worker.cached_hashes)
 
     @_control
-    def num_leases(self) -> int:
-        return self.worker.num_leases()
+    async def num_leases(self) -> int:
+        return await asyncio.to_thread(self.worker.num_leases)
 
     @_control
-    def num_pinned(self) -> int:
-        return self.worker.num_pinned()
+    async def num_pinned(self) -> int:
+        return await asyncio.to_thread(self.worker.num_pinned)
 
     @_control
-    def occupancy(self) -> dict[str, int]:
-        return self.worker.occupancy()
+    async def occupancy(self) -> dict[str, int]:
+        return await asyncio.to_thread(self.worker.occupancy)
 
     @_control
-    def confirm_pending(
+    async def confirm_pending(
         self, pending_id: int, token_ids: Sequence[int], cache_salt: str | None = None
     ) -> bool:
         """A router's pending entry says this worker computes the prompt ``token_ids`` (its
@@ -160,41 +161,41 @@ class WorkerActor:
         eng = self.worker.engine
         namespace = cache_namespace(eng.fingerprint.namespace, cache_salt)
         hashes = block_hashes(token_ids, eng.config.block_size, namespace)
-        return self.worker.kv.connector.confirm_pending(pending_id, hashes)
+        return await asyncio.to_thread(self.worker.kv.connector.confirm_pending, pending_id, hashes)
 
     @_control
-    def flush_events(self) -> int:
+    async def flush_events(self) -> int:
         """Publish this worker's buffered index events now; how many batches went out."""
-        return self.worker.kv.connector.flush()
+        return await asyncio.to_thread(self.worker.kv.connector.flush)
 
     @_control
-    def peer_blocks(self, hashes: Sequence[BlockHash]) -> int:
+    async def peer_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of ``hashes`` the connector offers (a peer's, or this
         worker's own tiers'): its lookup, on the step thread, asked again until it knows (it
         looks up on a thread of its own)."""
         hashes = list(hashes)
         deadline = time.monotonic() + PEER_BLOCKS_TIMEOUT_S
         while True:
-            n = self.worker.call(lambda: self.worker.kv.connector.lookup(hashes))
+            n = await self.worker.acall(lambda: self.worker.kv.connector.lookup(hashes))
             if n is not None:
                 return n
             if time.monotonic() > deadline:
                 return 0
-            time.sleep(0.005)
+            await asyncio.sleep(0.005)
 
     @_control
-    def connector_stats(self) -> dict[str, float]:
+    async def connector_stats(self) -> dict[str, float]:
         return self.worker.kv.connector.get_stats()
 
     @_control
-    def health(self, stall_s: float) -> None:
+    async def health(self, stall_s: float) -> None:
         """Raises when the step thread died or made no progress for ``stall_s`` with work.
         Its replica calls it each health-check period (``answers`` counts on that)."""
         self._checked_at = time.monotonic()
         self.worker.check_health(stall_s)
 
     @_control
-    def answers(self, stall_s: float, within_s: float) -> bool:
+    async def answers(self, stall_s: float, within_s: float) -> bool:
         """Whether this worker would serve a request now: its step thread is fine, and its
         replica called ``health`` within ``within_s`` (a stopped replica stops calling). An
         ingress asks a worker it lost a call on, to route requests there again."""
@@ -205,16 +206,16 @@ class WorkerActor:
         return time.monotonic() - self._checked_at <= within_s
 
     @_control
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.worker.shutdown)
 
 
 def worker_actor_class(
     num_gpus: float | None = None, num_cpus: float = 1, max_streams: int = MAX_STREAMS
 ) -> Any:
     """``WorkerActor`` as a Ray actor class; ``num_gpus`` defaults to 1 when Ray sees a GPU.
-    ``max_streams``: threads for streams, each held for a request's whole life; Ray queues a
-    call past them, and a queued call says nothing, not even a keep-alive."""
+    ``max_streams``: streams at once (coroutines: no thread each); Ray queues a call past
+    them, and a queued call says nothing, not even a keep-alive."""
     if num_gpus is None:
         num_gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
     return ray.remote(
