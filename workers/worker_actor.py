@@ -10,6 +10,11 @@ make the health check time out (Serve would kill a healthy worker) nor a peer's 
 So no method blocks its loop: a stream awaits its deltas, and a call that waits for the
 step thread or takes a thread's work (a copy of KV bytes, a disk read, a Ray call) runs in
 the loop's executor, a few threads reused. Only ``Worker``'s step thread touches the engine.
+Ray ends an asynchronous stream only once its caller acknowledged every item, on the loop
+(``WaitAllObjectsReported``): a caller stopped at that moment holds the streams' loop until
+it resumes or dies. The only caller of ``generate_stream`` in a cluster is the replica that
+owns this actor (``WorkerDeployment``), whose pause is this worker's anyway; the control and
+peers groups' loops go on.
 
 This module stays light (no torch, no engine at import): deserializing an actor handle makes
 Ray import its class's module, and the index actor receives every worker's handle. With torch
