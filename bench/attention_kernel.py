@@ -1,7 +1,7 @@
 """The paged attention kernel alone (workers/csrc/paged_attention.c), on the shapes where its
 `lanes` path runs: decodes of models with 7 or more query heads a KV head, and a short suffix
 over a long cached prefix (the pulled request of bench/pull_stall.py); smollm2's decodes
-(3 query heads a KV head, its `rows` path) as a control.
+(3 query heads a KV head, its `rows` path) over 2,048 keys and over 256 (K/V in cache).
 
 Per case: milliseconds a layer (median of `--reps` passes over `--layers` layers' caches,
 each its own memory, so K/V come from memory as in a model), and a digest of the output's
@@ -30,6 +30,7 @@ BLOCK_SIZE, HEAD_DIM = 16, 64
 # name -> (query heads, KV heads, one item's (new tokens, keys) per row)
 CASES = {
     "decode_g3": (9, 3, [(1, 2048)] * 8),  # smollm2: `rows`
+    "decode_g3_256": (9, 3, [(1, 256)] * 8),  # the same at a chat's length: K/V in cache
     "decode_g7": (28, 4, [(1, 2048)] * 8),  # Qwen2.5-7B's shape
     "decode_g8": (16, 2, [(1, 2048)] * 8),  # Llama-3-70B's 64 / 8
     "suffix_8_over_2056_g3": (9, 3, [(8, 2056)]),  # pull_stall's pulled request, alone

@@ -149,6 +149,26 @@ def test_attention_kernel_rows_of_few_query_heads(hq: int, hkv: int, head_dim: i
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+def test_attention_kernel_rows_take_one_to_six_query_heads(
+    head_dim: int, kv_dtype: torch.dtype
+) -> None:
+    # `rows` runs all of a task's query heads through each key together, with their count a
+    # constant: one to six (1 to 6 new tokens at one query head a KV head) each take their
+    # own code, and head_dim 48 leaves a partial pass of V sums (3 vectors of d against
+    # passes of 4, or of 2 on AVX2). A bfloat16 cache is read in pairs at 64 and 128.
+    # Rows straddle the 128-key chunk edge; a query head's sums written to another's
+    # output, or a V pass that skips a vector, is far off the reference.
+    case = dict(query_lens=[1, 2, 3, 4, 5, 6], seq_lens=[300, 129, 140, 257, 200, 136])
+    out, ref, meta = make_case(
+        TorchAttentionBackend(cpu_kernel=True), **case, hq=2, hkv=2, block_size=16,
+        num_blocks=100, head_dim=head_dim, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    assert meta.scratch["torch_plan"].kernel.num_tokens == 21
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
 @pytest.mark.parametrize(("hq", "hkv"), [(7, 1), (9, 3), (16, 2)])
 def test_attention_kernel_lanes_sum_v_in_tiles(hq: int, hkv: int, head_dim: int) -> None:

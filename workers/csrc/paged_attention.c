@@ -22,7 +22,8 @@
  * vector holds query heads: each key's K and V entries are broadcast against them (`lanes`).
  * With at most ROWS_MAX query heads (a decode of hq / hkv = 3 to 6) that would
  * leave most lanes empty, so a vector holds 16 entries of d instead: a score is a dot product
- * folded across lanes, and V is summed a row at a time (`rows`; d a multiple of 16).
+ * folded across lanes, and each K and V row serves all the task's query heads at once
+ * (`rows`; d a multiple of 16).
  * By lanes, when d is a multiple of 16, the V sums then hold d in the vector too (`pv_by_d`:
  * one load of a V row serves a tile of query heads, and no lane holds padding), summed in the
  * same order, so the results are the bits `lanes` alone gives.
@@ -359,47 +360,65 @@ static void pv_by_d(const float *s, const float *const *vrow, int n, int nj, int
  * 16 even ones first, then the 16 odd ones (how v16_bf16_pair hands a bfloat16 row over). */
 static inline int pair_slot(int dd) { return dd / 32 * 32 + dd % 2 * 16 + dd % 32 / 2; }
 
-/* The partials of nj (<= ROWS_MAX) query heads, rows of qrow [nj][d] (scaled), against keys
+/* The partials of NJ (<= ROWS_MAX) query heads, rows of qrow [NJ][d] (scaled), against keys
  * krow/vrow[0 .. n) at positions c0 .. c0+n-1 of the item; query head j sees positions below
- * lim[j]. `s` holds CHUNK floats. Writes pm[j], pl[j] and pacc[dd * njp + j], as `lanes`.
+ * lim[j]. `s` holds NJ * CHUNK floats. Writes pm[j], pl[j] and pacc[dd * njp + j], as `lanes`.
  * The rows are float32 (bf16 = 0), or bfloat16 read a pair of 16-wide vectors at a time
  * (bf16 = 1, d a multiple of 32: qrow is then in pair order, and no row is ever widened
  * in memory). With pf_bytes > 0 (a unit's first KV head) it also asks for the K and V slot
  * rows PF keys ahead, pf_bytes of each (every KV head's): a decode streams its keys from
  * memory, and without this the misses came one key at a time; the unit's other heads then
- * find their entries in cache. */
+ * find their entries in cache.
+ * All NJ query heads go through a key together (NJ a constant: one function per count), so
+ * each K and V row is loaded (and prefetched) once for them, and the NJ dot products and the
+ * NJ x PV_R V sums are independent chains. One query head at a time, each V sum waited for
+ * its previous key's FMA, and every load and prefetch came NJ times: 8 decodes over 256
+ * cached keys took ~20% longer (bench/attention_kernel.py). Every output is summed over the
+ * same terms in the same order as then, so the bits are the same. */
+#if KV_AVX512
+enum { PV_R = 4 }; /* 16-float vectors of d a V-sum pass holds per query head */
+#else
+enum { PV_R = 2 }; /* AVX2's 16 registers: two halves a v16 */
+#endif
 static inline __attribute__((always_inline)) void rows_of(
-    const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
+    const float *qrow, float *s, const int NJ, int64_t njp, const int32_t *lim,
     const float *const *krow, const float *const *vrow, int n, int c0, int d, float *pm,
     float *pl, float *pacc, int pf_bytes, const int bf16) {
     const int nd = d / 16;
-    for (int j = 0; j < nj; j++) {
-        v16 q[D_MAX / 16], acc[D_MAX / 16];
-        for (int c = 0; c < nd; c++) q[c] = v16_load(qrow + j * d + 16 * c);
-        for (int t = 0; t < CHUNK; t++) { /* past n, and past the query's limit: no key */
-            if (t >= n || c0 + t >= lim[j]) {
-                s[t] = -INFINITY;
-                continue;
-            }
-            if (t + PF < n)
-                for (int off = 0; off < pf_bytes; off += 64) {
-                    _mm_prefetch((const char *)krow[t + PF] + off, _MM_HINT_T0);
-                    _mm_prefetch((const char *)vrow[t + PF] + off, _MM_HINT_T1);
-                }
-            v16 dot = v16_set1(0.0f);
-            if (bf16)
-                for (int c = 0; c < nd; c += 2) {
-                    v16 even, odd;
-                    v16_bf16_pair((const uint16_t *)krow[t] + 16 * c, &even, &odd);
-                    dot = v16_fma(q[c + 1], odd, v16_fma(q[c], even, dot));
-                }
-            else
-                for (int c = 0; c < nd; c++)
-                    dot = v16_fma(q[c], v16_load(krow[t] + 16 * c), dot);
-            s[t] = v16_sum(dot);
+    for (int t = 0; t < CHUNK; t++) { /* past n, and past a query's limit: no key */
+        if (t >= n) {
+            for (int j = 0; j < NJ; j++) s[j * CHUNK + t] = -INFINITY;
+            continue;
         }
-        v16 mv = v16_load(s);
-        for (int t = 16; t < CHUNK; t += 16) mv = v16_max(mv, v16_load(s + t));
+        if (t + PF < n)
+            for (int off = 0; off < pf_bytes; off += 64) {
+                _mm_prefetch((const char *)krow[t + PF] + off, _MM_HINT_T0);
+                _mm_prefetch((const char *)vrow[t + PF] + off, _MM_HINT_T1);
+            }
+        v16 dot[ROWS_MAX];
+        for (int j = 0; j < NJ; j++) dot[j] = v16_set1(0.0f);
+        if (bf16)
+            for (int c = 0; c < nd; c += 2) {
+                v16 even, odd;
+                v16_bf16_pair((const uint16_t *)krow[t] + 16 * c, &even, &odd);
+                for (int j = 0; j < NJ; j++) {
+                    const float *q = qrow + j * d + 16 * c;
+                    dot[j] = v16_fma(v16_load(q + 16), odd, v16_fma(v16_load(q), even, dot[j]));
+                }
+            }
+        else
+            for (int c = 0; c < nd; c++) {
+                v16 k = v16_load(krow[t] + 16 * c);
+                for (int j = 0; j < NJ; j++)
+                    dot[j] = v16_fma(v16_load(qrow + j * d + 16 * c), k, dot[j]);
+            }
+        for (int j = 0; j < NJ; j++)
+            s[j * CHUNK + t] = c0 + t >= lim[j] ? -INFINITY : v16_sum(dot[j]);
+    }
+    for (int j = 0; j < NJ; j++) {
+        float *sj = s + j * CHUNK;
+        v16 mv = v16_load(sj);
+        for (int t = 16; t < CHUNK; t += 16) mv = v16_max(mv, v16_load(sj + t));
         float m[16], mx = -INFINITY;
         v16_store(m, mv);
         for (int l = 0; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
@@ -407,42 +426,74 @@ static inline __attribute__((always_inline)) void rows_of(
         const float base = mx == -INFINITY ? 0.0f : mx;
         v16 sum = v16_set1(0.0f);
         for (int t = 0; t < CHUNK; t += 16) {
-            v16 p = v16_exp_shifted(v16_load(s + t), base);
-            v16_store(s + t, p);
+            v16 p = v16_exp_shifted(v16_load(sj + t), base);
+            v16_store(sj + t, p);
             sum = v16_add(sum, p);
         }
         pm[j] = mx;
         pl[j] = v16_sum(sum);
-        for (int c = 0; c < nd; c++) acc[c] = v16_set1(0.0f);
+    }
+    /* V sums, PV_R vectors of d at a time (PV_R even: a bfloat16 pair stays together). */
+    for (int cb = 0; cb < nd; cb += PV_R) {
+        const int nv = nd - cb < PV_R ? nd - cb : PV_R;
+        v16 acc[ROWS_MAX][PV_R];
+        for (int j = 0; j < NJ; j++)
+            for (int c = 0; c < PV_R; c++) acc[j][c] = v16_set1(0.0f);
+        v16 v[PV_R];
+        for (int c = 0; c < PV_R; c++) v[c] = v16_set1(0.0f); /* past nv: never summed */
         for (int t = 0; t < n; t++) {
-            v16 p = v16_set1(s[t]);
             if (bf16)
-                for (int c = 0; c < nd; c += 2) {
-                    v16 even, odd;
-                    v16_bf16_pair((const uint16_t *)vrow[t] + 16 * c, &even, &odd);
-                    acc[c] = v16_fma(p, even, acc[c]);
-                    acc[c + 1] = v16_fma(p, odd, acc[c + 1]);
+                for (int c = 0; c < PV_R; c += 2) {
+                    if (c < nv)
+                        v16_bf16_pair((const uint16_t *)vrow[t] + 16 * (cb + c), &v[c], &v[c + 1]);
                 }
             else
-                for (int c = 0; c < nd; c++)
-                    acc[c] = v16_fma(p, v16_load(vrow[t] + 16 * c), acc[c]);
+                for (int c = 0; c < PV_R; c++)
+                    if (c < nv) v[c] = v16_load(vrow[t] + 16 * (cb + c));
+            for (int j = 0; j < NJ; j++) {
+                v16 p = v16_set1(s[j * CHUNK + t]);
+                for (int c = 0; c < PV_R; c++)
+                    if (c < nv) acc[j][c] = v16_fma(p, v[c], acc[j][c]);
+            }
         }
-        float out[D_MAX];
-        for (int c = 0; c < nd; c++) v16_store(out + 16 * c, acc[c]);
-        for (int dd = 0; dd < d; dd++) pacc[dd * njp + j] = out[bf16 ? pair_slot(dd) : dd];
+        for (int j = 0; j < NJ; j++) {
+            float out[16 * PV_R];
+            for (int c = 0; c < PV_R; c++)
+                if (c < nv) v16_store(out + 16 * c, acc[j][c]);
+            for (int dd = 16 * cb; dd < 16 * (cb + nv); dd++)
+                pacc[dd * njp + j] = out[(bf16 ? pair_slot(dd) : dd) - 16 * cb];
+        }
     }
+}
+
+/* rows_of for nj query heads, a constant in each case (so its arrays stay in registers). */
+static inline __attribute__((always_inline)) void rows_by_nj(
+    const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
+    const float *const *krow, const float *const *vrow, int n, int c0, int d, float *pm,
+    float *pl, float *pacc, int pf_bytes, const int bf16) {
+#define ROWS_OF(NJ) \
+    rows_of(qrow, s, NJ, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, bf16)
+    switch (nj) {
+    case 1: ROWS_OF(1); break;
+    case 2: ROWS_OF(2); break;
+    case 3: ROWS_OF(3); break;
+    case 4: ROWS_OF(4); break;
+    case 5: ROWS_OF(5); break;
+    default: ROWS_OF(6); break;
+    }
+#undef ROWS_OF
 }
 
 static void rows(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
                  const float *const *krow, const float *const *vrow, int n, int c0, int d,
                  float *pm, float *pl, float *pacc, int pf_bytes) {
-    rows_of(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 0);
+    rows_by_nj(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 0);
 }
 
 static void rows_bf16(const float *qrow, float *s, int nj, int64_t njp, const int32_t *lim,
                       const float *const *krow, const float *const *vrow, int n, int c0, int d,
                       float *pm, float *pl, float *pacc, int pf_bytes) {
-    rows_of(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 1);
+    rows_by_nj(qrow, s, nj, njp, lim, krow, vrow, n, c0, d, pm, pl, pacc, pf_bytes, 1);
 }
 
 /* n 16-bit K or V entries at src (bfloat16 or float16) as float32 at dst; n a multiple of 8.
