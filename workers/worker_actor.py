@@ -162,11 +162,16 @@ class WorkerActor:
         """A router's pending entry says this worker computes the prompt ``token_ids`` (its
         resumed tokens included; ``cache_salt`` the request's) now: the connector confirms it
         with the hashes of those tokens, hashed here, so an entry for blocks this worker was
-        not sent stays brief."""
+        not sent stays brief. Hashed in the executor too: a long prompt's chain is CPU work
+        the control group's loop (health checks) should not wait behind."""
         eng = self.worker.engine
-        namespace = cache_namespace(eng.fingerprint.namespace, cache_salt)
-        hashes = block_hashes(token_ids, eng.config.block_size, namespace)
-        return await asyncio.to_thread(self.worker.kv.connector.confirm_pending, pending_id, hashes)
+
+        def confirm() -> bool:
+            namespace = cache_namespace(eng.fingerprint.namespace, cache_salt)
+            hashes = block_hashes(token_ids, eng.config.block_size, namespace)
+            return self.worker.kv.connector.confirm_pending(pending_id, hashes)
+
+        return await asyncio.to_thread(confirm)
 
     @_control
     async def flush_events(self) -> int:
