@@ -1,13 +1,13 @@
 """kvmesh.cluster: config, router, serving (Ray Serve + OpenAI API), CLI.
 
-``deploy`` and ``build_app`` load Ray Serve on first use.
+``deploy``, ``build_app`` and ``IngressHandle`` load Ray Serve on first use.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ServeConfig", "build_app", "deploy"]
+__all__ = ["IngressHandle", "ServeConfig", "build_app", "deploy"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,6 +15,10 @@ def __getattr__(name: str) -> Any:
         from kvmesh.cluster import serve_app
 
         return getattr(serve_app, name)
+    if name == "IngressHandle":
+        from kvmesh.cluster.ingress_handle import IngressHandle
+
+        return IngressHandle
     if name == "ServeConfig":
         from kvmesh.cluster.config import ServeConfig
 

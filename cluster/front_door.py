@@ -140,7 +140,7 @@ class FrontDoor(AdmitRequests):
     def unavailable(self, message: str) -> list[dict]:
         """``message`` as a 503 with the learned Retry-After and OpenAI's body, in ASGI
         messages."""
-        error = _unavailable(message)
+        error = unavailable_error(message)
         retry_after = str(max(1, math.ceil(self.admission.retry_after_s)))
         response = JSONResponse(error.body, 503, headers={"Retry-After": retry_after})
         return [
@@ -162,7 +162,8 @@ class FrontDoor(AdmitRequests):
         return {**start, "headers": kept}
 
 
-def _unavailable(message: str) -> ApiError:
+def unavailable_error(message: str) -> ApiError:
+    """``message`` as the 503 a request lost on its way gets, with OpenAI's body."""
     return ApiError(503, message, "server_error", code="unavailable")
 
 
@@ -243,7 +244,7 @@ class Answer:
         types = [bytes(v) for k, v in self._headers if bytes(k).lower() == b"content-type"]
         end = b""
         if types and types[0].startswith(b"text/event-stream"):
-            end = b"data: " + json.dumps(_unavailable(LOST).body).encode()
+            end = b"data: " + json.dumps(unavailable_error(LOST).body).encode()
             end += b"\n\ndata: [DONE]\n\n"
         return {"type": "http.response.body", "body": end, "more_body": False}
 

@@ -9,7 +9,8 @@ stateless ingress in front of them.
   provenance (``handle_generate.py``). With ``"stream": True`` in the body *and*
   ``handle.options(stream=True)`` each yields chunks.
 - ``build_app(args)`` is the Serve ``import_path`` target (serveConfigV2, KubeRay), and
-  ``deploy(config)`` runs it from Python and returns the ``DeploymentHandle``.
+  ``deploy(config)`` runs it from Python and returns the ingress's handle: Serve's, wrapped
+  in ``IngressHandle`` so that a request its ingress replica lost is sent again.
 
 Queues are bounded end to end. Each ingress replica admits at most
 ``config.admission_limit`` sequences at once, one per choice (HTTP and handle alike); over HTTP the
@@ -46,6 +47,7 @@ from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.handle_generate import chunk_dict, completion_dict, parse_request
 from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
+from kvmesh.cluster.ingress_handle import IngressHandle
 from kvmesh.cluster.launch import check_serve_http, serve_details
 from kvmesh.cluster.liveness import SILENT_PERIODS
 from kvmesh.cluster.metrics import ServeMetrics
@@ -359,9 +361,10 @@ def controller_env() -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in defaults.items()}
 
 
-def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.DeploymentHandle:
+def deploy(config: ServeConfig, owner: str | None = None) -> IngressHandle:
     """Run the app on the connected Ray cluster (HTTP, or HTTPS with ``ssl_*``, on
-    config.host:config.port) and return its handle. Call ``ray.init`` first, or this
+    config.host:config.port) and return its handle (Serve's, sending a request its ingress
+    replica lost again: ``ingress_handle.py``). Call ``ray.init`` first, or this
     joins/starts one as Serve does. Serve, when this starts it, gets kvmesh's front door in
     its proxies (``front_door.py``). Raises ValueError for TLS files that do not load, and
     ``launch.ClusterTaken`` when Serve already runs with another address or TLS setup (it
@@ -375,4 +378,4 @@ def deploy(config: ServeConfig, owner: str | None = None) -> serve.handle.Deploy
     check_serve_http(config, serve_details())
     if door:
         front_door.warn_if_missing()
-    return serve.run(application(config, owner), name=APP_NAME, route_prefix="/")
+    return IngressHandle(serve.run(application(config, owner), name=APP_NAME, route_prefix="/"))

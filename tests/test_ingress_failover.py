@@ -17,6 +17,7 @@ import pytest
 import ray
 from ray import serve
 
+from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.front_door import LOST
 from kvmesh.cluster.liveness import ENGINE_NAMESPACE, engine_actor_name
 from kvmesh.cluster.serve_app import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT_PREFIX
@@ -81,7 +82,9 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
     within a few health-check periods, instead of running it to max_tokens for nobody.
     Its clients lose nothing they can't see: the stream ends with OpenAI's error event,
     and a request not yet answered is sent again by the front door and answered whole by
-    the replacement (before: a reset connection and a 500)."""
+    the replacement (before: a reset connection and a 500). So for handle callers: a
+    handle stream ends with the front door's 503 and a handle request is answered whole
+    (before: Ray's ActorDiedError for both, with the replica's actor id and pid)."""
     app, config = served
     stream = _long_http_stream(app, config, 1900)
     engine = ray.get_actor(engine_actor_name(busy_worker(app)), namespace=ENGINE_NAMESPACE)
@@ -97,16 +100,23 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
         max_tokens=1500,
         extra_body={"ignore_eos": True},
     )
+    handle_stream = app.options(stream=True).generate.remote(
+        {"prompt": PROMPT[:20], "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    )
+    next(handle_stream)  # a chunk came: started
+    handle_pending = app.generate.remote(
+        {"prompt": PROMPT[:30], "max_tokens": 1500, "ignore_eos": True}
+    )
     wait_for(
-        lambda: ray.get(engine.occupancy.remote())["running"] == 2,
+        lambda: ray.get(engine.occupancy.remote())["running"] == 4,
         10,
-        "both requests running",
+        "the four requests running",
         every=0.02,
     )
     [ingress] = _ingress_replicas()
     ray.kill(ray.get_actor(ingress, namespace="serve"), no_restart=True)
     killed = time.monotonic()
-    aborted = "the caller of 2 running requests is gone; aborting them"
+    aborted = "the caller of 4 running requests is gone; aborting them"
     log = f"{WORKER_DEPLOYMENT_PREFIX}worker"
     wait_for(lambda: aborted in replica_log(log), 10, "the worker to abort", every=0.1)
     assert time.monotonic() - killed < 5.0
@@ -115,6 +125,12 @@ def test_a_lost_ingress_replicas_requests_are_aborted_on_their_workers(served) -
             pass
     completion = pending.result(timeout=90)
     assert completion.usage.completion_tokens == 1500
+    with pytest.raises(ApiError, match=LOST) as lost:
+        for _ in handle_stream:
+            pass
+    assert lost.value.status == 503
+    answer = handle_pending.result(timeout_s=90)
+    assert answer["usage"]["completion_tokens"] == 1500 and len(answer["token_ids"]) == 1500
 
     def idle() -> bool:
         try:
