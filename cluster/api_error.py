@@ -42,6 +42,13 @@ class ApiError(Exception):
         return cls(400, f"{param}: {message[m.end() :]}", param=param)
 
 
+class BadRequest(ApiError, ValueError):
+    """A Python caller's bad request to ``handle.generate``: a ``ValueError`` naming the
+    field, as that method documents, and the 400 ``ApiError`` (``status``, OpenAI's ``body``)
+    that ``chat`` and ``completions`` raise; logged as the caller's error, not the server's
+    (``replica_logs``)."""
+
+
 def valid(fn: Callable[[], T], rename: dict[str, str] | None = None) -> T:
     """Run a validating call; its ValueError becomes a 400 naming the field."""
     try:

@@ -6,9 +6,14 @@ usage and provenance (``kvmesh``)."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationError
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
+from kvmesh.cluster.generate_body import Body
+from kvmesh.cluster.protocol import ChatMessage
+from kvmesh.cluster.request_parsing import describe_errors
 from kvmesh.workers.sampling_params import SamplingParams
 
 _SAMPLING_KEYS = (
@@ -46,9 +51,21 @@ def parse_request(d: dict[str, Any]) -> GenerateRequest:
         raise ValueError(f"{sorted(unknown)[0]}: unknown field")
     if ("prompt" in d) == ("messages" in d):
         raise ValueError("prompt: give exactly one of prompt or messages")
+    try:  # the types the HTTP routes take for one prompt, checked as strictly
+        given = _Input.model_validate({k: d[k] for k in ("prompt", "messages") if k in d})
+    except ValidationError as e:
+        raise ValueError(describe_errors(e.errors(include_url=False))[0]) from None
     params = SamplingParams(**{k: d[k] for k in _SAMPLING_KEYS if k in d})
     rid = str(d.get("request_id") or f"kvmesh-{uuid.uuid4().hex}")
-    return GenerateRequest(rid, params, prompt=d.get("prompt"), messages=d.get("messages"))
+    messages = None if given.messages is None else [m.as_dict() for m in given.messages]
+    return GenerateRequest(rid, params, prompt=given.prompt, messages=messages)
+
+
+class _Input(Body):
+    """A handle request's prompt or messages (``parse_request`` checked that one is there)."""
+
+    prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
 
 
 def completion_dict(c: Completion) -> dict[str, Any]:

@@ -14,6 +14,10 @@ for handle callers, with the door's bounds:
 - a stream lost after its first chunk raises the same ``ApiError`` (the HTTP stream's error
   event): the chunks the caller has stand, and sending it again would repeat them.
 
+What the ingress itself raises (Ray hands it over as a ``RayTaskError``, whose message holds
+the replica's traceback, pid and actor id) is raised as the ingress raised it: ``ApiError``,
+``BadRequest``, Serve's ``BackPressureError``, ``WorkerLostError``, with their own messages.
+
 Ray reports a replica it cannot reach (``ActorUnavailableError``, a partition) like a dead
 one; such a request may still be running there, so sending it again may compute it twice,
 as the door's retry of Serve's 500 may. Everything else is Serve's handle as it is:
@@ -30,9 +34,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from kvmesh.cluster.front_door import LOST, RETRIES, RETRY_PAUSE_S, unavailable_error
+from kvmesh.cluster.http_errors import root_cause
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +82,12 @@ class _Tries:
         self.current = send()  # sent at once, as Serve's ``remote`` sends
         self.losses = 0
 
-    def lost(self, error: RayActorError, started: bool) -> None:
-        """After ``error`` from the current send: returns when it is to be sent again (after
-        the pause), else raises the 503."""
+    def failed(self, error: RayTaskError | RayActorError, started: bool) -> None:
+        """After ``error`` from the current send: raises what the ingress raised; for a lost
+        ingress returns when the request is to be sent again (after the pause), else raises
+        the 503."""
+        if isinstance(error, RayTaskError):  # the ingress ran and raised (also a RayActorError
+            raise root_cause(error) from error  # of a call it made, which is its own business)
         self.losses += 1
         if started or self.losses > RETRIES:
             if not started:
@@ -105,8 +113,8 @@ class Answer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 return self._tries.current.result(timeout_s=left)
-            except RayActorError as e:
-                self._tries.lost(e, started=False)
+            except (RayTaskError, RayActorError) as e:
+                self._tries.failed(e, started=False)
             time.sleep(RETRY_PAUSE_S)
             self._tries.again()
 
@@ -114,8 +122,8 @@ class Answer:
         while True:
             try:
                 return await self._tries.current
-            except RayActorError as e:
-                self._tries.lost(e, started=False)
+            except (RayTaskError, RayActorError) as e:
+                self._tries.failed(e, started=False)
             await asyncio.sleep(RETRY_PAUSE_S)
             self._tries.again()
 
@@ -141,8 +149,8 @@ class Stream:
         while True:
             try:
                 chunk = next(self._tries.current)
-            except RayActorError as e:
-                self._tries.lost(e, self._started)
+            except (RayTaskError, RayActorError) as e:
+                self._tries.failed(e, self._started)
             else:
                 self._started = True
                 return chunk
@@ -156,8 +164,8 @@ class Stream:
         while True:
             try:
                 chunk = await self._tries.current.__anext__()
-            except RayActorError as e:
-                self._tries.lost(e, self._started)
+            except (RayTaskError, RayActorError) as e:
+                self._tries.failed(e, self._started)
             else:
                 self._started = True
                 return chunk

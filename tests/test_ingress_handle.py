@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from kvmesh.cluster.api_error import ApiError
+from kvmesh.cluster.api_error import ApiError, BadRequest
 from kvmesh.cluster.front_door import LOST, RETRIES, RETRY_PAUSE_S
 from kvmesh.cluster.ingress_handle import IngressHandle
 
@@ -147,6 +147,31 @@ def test_other_errors_pass_as_they_are_and_are_not_sent_again() -> None:
         with pytest.raises(type(error)) as e:
             IngressHandle(serve).generate.remote({}).result()
         assert e.value is error and len(serve.sends) == 1
+
+
+def _raised_by_the_ingress(cause: Exception) -> RayTaskError:
+    """What Serve's handle raises for an error the ingress raised: Ray's wrapper, whose
+    message holds the replica's traceback and ids."""
+    tb = "Traceback (most recent call last):\n  ray::ServeReplica (pid=4242, actor_id=ab12)"
+    return RayTaskError("generate", tb, cause).as_instanceof_cause()
+
+
+def test_what_the_ingress_raised_is_raised_as_it_raised_it() -> None:
+    """Its own message, not Ray's traceback, pid and actor id; never sent again (not even
+    an ActorDiedError of a call the ingress made: that is not the ingress lost)."""
+    for cause in (BadRequest(400, "max_tokens: must be at least 1"), ActorDiedError()):
+        serve = LosingHandle(losses=1, error=_raised_by_the_ingress(cause))
+        with pytest.raises(type(cause)) as e:
+            IngressHandle(serve).generate.remote({}).result()
+        assert e.value is cause and "pid=" not in str(e.value) and len(serve.sends) == 1
+        assert isinstance(e.value.__cause__, RayTaskError)  # the remote traceback, for bugs
+
+    serve = LosingHandle(losses=1, after=1, error=_raised_by_the_ingress(ValueError("v: bad")))
+    stream = IngressHandle(serve).options(stream=True).generate.remote({})
+    assert next(stream) == CHUNKS[0]
+    with pytest.raises(ValueError, match=r"^v: bad$"):
+        next(stream)
+    assert len(serve.sends) == 1
 
 
 def test_a_stream_lost_before_its_first_chunk_is_sent_again() -> None:

@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.backend import GenerateRequest
 from kvmesh.cluster.frontend import PROGRESS_INTERVAL_S, ClusterBackend
 from kvmesh.cluster.liveness import engine_actor_name
@@ -168,6 +169,35 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
     assert [e for c in streamed for e in c.get("logprobs", [])] == lps
 
 
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        ({"prompt": 5}, "prompt"),  # was Ray's TypeError: 'int' object is not iterable
+        ({"prompt": [1, -2]}, "prompt[1]"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),  # refused by the backend
+        ({"prompt": "hi", "bogus": 1}, "bogus"),
+    ],
+)
+def test_handle_generate_refuses_bad_input_as_the_callers_error(unified, request_, param) -> None:
+    """A ValueError naming the field and a 400 ApiError, its message the check's own, not
+    Ray's traceback with the replica's pid and actor id (before: RayTaskError(ValueError),
+    a TypeError for a wrong prompt type, and an ERROR with a traceback in the replica's log);
+    streamed too; the replica logs one INFO line."""
+    handle, _, _ = unified
+    for stream in (False, True):
+        with pytest.raises(ValueError, match=rf"^{re.escape(param)}: ") as e:
+            if stream:
+                list(handle.options(stream=True).generate.remote({**request_, "stream": True}))
+            else:
+                handle.generate.remote(request_).result(timeout_s=60)
+        assert isinstance(e.value, ApiError) and e.value.status == 400
+        assert e.value.body["error"]["param"] == param
+        assert "pid=" not in str(e.value) and "Traceback" not in str(e.value)
+    line = f"Refused with 400: {param}:"
+    wait_for(lambda: line in replica_log("KvmeshServer"), 10, "the replica's INFO line")
+
+
 def test_handle_generate_bans_bad_words(unified) -> None:
     """The handle's plain form carries words, not token ids (tiny-random's token 113 is
     "q"); through the cluster they are banned, and the mask beats a +100 bias."""
@@ -209,7 +239,6 @@ def test_a_fast_stream_comes_in_fewer_chunks_than_tokens(unified) -> None:
 def test_handle_speaks_openai_bodies(unified, reference: LLM) -> None:
     """``handle.completions`` / ``handle.chat`` take the HTTP body as a dict and give the
     HTTP JSON: several choices, streams with usage, and the same 400s, raised."""
-    from kvmesh.cluster.api_error import ApiError
 
     handle, client, config = unified
     body = {"model": config.model_name, "prompt": ["Once upon", "Hello"], "n": 2}
