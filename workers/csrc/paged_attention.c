@@ -58,11 +58,18 @@ enum { LANES = 16, CHUNK = 128, TU = 8 /* keys (or d) per register tile */ };
  * 34 / 31 / 28 / 27 at 3 / 4 / 6 / 8 heads, lanes 57 / 42 / 29 / 22 (one vector, its
  * lanes filling up): rows wins up to 6. */
 enum { ROWS_MAX = 6, D_MAX = 256, PF = 8 };
+/* How a task's V sums lie in its partials. By head ([nj][d]: a query head's sums are a row,
+ * which `rows` and `pv_by_d` store a vector at a time) when d is a multiple of 16 up to D_MAX,
+ * where every task goes through one of the two; else by d ([d][nj_pad]), as `lanes` sums
+ * them, a vector of query heads at a time. (pv_by_d once wrote its rows by d too, an entry
+ * at a time: 7% of the suffix case's time in bench/attention_kernel.py.) */
+#define BY_HEAD(d) ((d) % 16 == 0 && (d) <= D_MAX)
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 }; /* the caches' element type */
 
 typedef struct {
     int item, chunk, head;
-    int64_t part; /* offset of this task's partials: [nj_pad] max, [nj_pad] sum, [d][nj_pad] acc */
+    int64_t part; /* offset of this task's partials: [nj_pad] max, [nj_pad] sum, then its V
+                   * sums, [nj][d] or [d][nj_pad] (BY_HEAD) */
 } Task;
 
 typedef struct {
@@ -71,6 +78,10 @@ typedef struct {
     int hq, hkv, d, bs, kv_dtype, esize;
     const int32_t *blocks, *kv_len, *bo, *qo, *nq, *qtok, *qlim;
     float scale;
+    /* Each item's scaled queries, laid out for its path (fill_queries): KV head h's at
+     * qts + qt_at[item] + h * nj_pad * d, filled once and read by every chunk's task. */
+    float *qts;
+    const int64_t *qt_at;
 } Args;
 
 /* Asks for the K rows of the TU keys from t (those below n), pf_bytes of each: `lanes` takes
@@ -313,8 +324,8 @@ enum { PV_Q = 2, PV_V = 2 };
 #endif
 enum { PV_PF = 16 /* keys ahead */ };
 static inline __attribute__((always_inline)) void pv_tile(
-    const float *s, const float *const *vrow, int n, int j0, int nq, int dc, int nv,
-    int64_t njp, float *pacc, int pf) {
+    const float *s, const float *const *vrow, int n, int j0, int nq, int dc, int nv, int d,
+    float *pacc, int pf) {
     v16 acc[PV_Q][PV_V];
     const float *pj[PV_Q];
     for (int i = 0; i < nq; i++) {
@@ -333,26 +344,22 @@ static inline __attribute__((always_inline)) void pv_tile(
             for (int c = 0; c < nv; c++) acc[i][c] = v16_fma(p, v[c], acc[i][c]);
         }
     }
-    for (int i = 0; i < nq; i++)
-        for (int c = 0; c < nv; c++) {
-            float o[16];
-            v16_store(o, acc[i][c]);
-            for (int l = 0; l < 16; l++) pacc[(int64_t)(16 * (dc + c) + l) * njp + j0 + i] = o[l];
-        }
+    for (int i = 0; i < nq; i++) /* a query head's V sums are a row of d (BY_HEAD) */
+        for (int c = 0; c < nv; c++) v16_store(pacc + (int64_t)(j0 + i) * d + 16 * (dc + c), acc[i][c]);
 }
 
 /* Every query head's V sums, j < nj, d a multiple of 16 (see pv_tile). With pf, the first
  * tile of query heads asks for V rows PV_PF keys ahead (rows in memory, not widened ones). */
-static void pv_by_d(const float *s, const float *const *vrow, int n, int nj, int d, int64_t njp,
-                    float *pacc, int pf) {
+static void pv_by_d(const float *s, const float *const *vrow, int n, int nj, int d, float *pacc,
+                    int pf) {
     const int nd = d / 16;
     for (int dc = 0; dc < nd; dc += PV_V)
         for (int j0 = 0; j0 < nj; j0 += PV_Q) {
             int nq = nj - j0 < PV_Q ? nj - j0 : PV_Q, nv = nd - dc < PV_V ? nd - dc : PV_V;
             if (nq == PV_Q && nv == PV_V) /* the common tile, unrolled with constant bounds */
-                pv_tile(s, vrow, n, j0, PV_Q, dc, PV_V, njp, pacc, pf && j0 == 0);
+                pv_tile(s, vrow, n, j0, PV_Q, dc, PV_V, d, pacc, pf && j0 == 0);
             else
-                pv_tile(s, vrow, n, j0, nq, dc, nv, njp, pacc, pf && j0 == 0);
+                pv_tile(s, vrow, n, j0, nq, dc, nv, d, pacc, pf && j0 == 0);
         }
 }
 
@@ -362,7 +369,7 @@ static inline int pair_slot(int dd) { return dd / 32 * 32 + dd % 2 * 16 + dd % 3
 
 /* The partials of NJ (<= ROWS_MAX) query heads, rows of qrow [NJ][d] (scaled), against keys
  * krow/vrow[0 .. n) at positions c0 .. c0+n-1 of the item; query head j sees positions below
- * lim[j]. `s` holds NJ * CHUNK floats. Writes pm[j], pl[j] and pacc[dd * njp + j], as `lanes`.
+ * lim[j]. `s` holds NJ * CHUNK floats. Writes pm[j], pl[j] and pacc[j * d + dd] (BY_HEAD).
  * The rows are float32 (bf16 = 0), or bfloat16 read a pair of 16-wide vectors at a time
  * (bf16 = 1, d a multiple of 32: qrow is then in pair order, and no row is ever widened
  * in memory). With pf_bytes > 0 (a unit's first KV head) it also asks for the K and V slot
@@ -460,8 +467,8 @@ static inline __attribute__((always_inline)) void rows_of(
             float out[16 * PV_R];
             for (int c = 0; c < PV_R; c++)
                 if (c < nv) v16_store(out + 16 * c, acc[j][c]);
-            for (int dd = 16 * cb; dd < 16 * (cb + nv); dd++)
-                pacc[dd * njp + j] = out[(bf16 ? pair_slot(dd) : dd) - 16 * cb];
+            for (int dd = 16 * cb; dd < 16 * (cb + nv); dd++) /* BY_HEAD */
+                pacc[(int64_t)j * d + dd] = out[(bf16 ? pair_slot(dd) : dd) - 16 * cb];
         }
     }
 }
@@ -513,8 +520,32 @@ static int takes_rows(const Args *a, int it) {
     return a->nq[it] * (a->hq / a->hkv) <= ROWS_MAX && a->d % 16 == 0 && a->d <= D_MAX;
 }
 
+/* Item `it`'s queries of KV head h, times the scale, into qt as its path reads them: by lanes
+ * [nj_pad / VL][d][VL] (blocks of VL query heads, each block's rows contiguous, so that a
+ * vector's pass reads its own few KiB; padding 0), by rows [nj][d] (bfloat16 rows read in
+ * place: d in pair order). Once per item and KV head: filled in each chunk's task, the same
+ * values took 7% of the suffix case's time (bench/attention_kernel.py). */
+static void fill_queries(const Args *a, int it, int h, float *qt) {
+    const int g = a->hq / a->hkv, d = a->d, nj = a->nq[it] * g;
+    const int by_rows = takes_rows(a, it);
+    const int pairs = by_rows && a->kv_dtype == KV_BF16 && d % 32 == 0;
+    const int32_t *qtok = a->qtok + a->qo[it];
+    if (!by_rows) memset(qt, 0, sizeof(float) * (size_t)(d * pad16(nj)));
+    for (int j = 0; j < nj; j++) {
+        const float *qv = a->q + ((int64_t)qtok[j / g] * a->hq + h * g + j % g) * d;
+        if (!by_rows) {
+            float *col = qt + j / VL * d * VL + j % VL;
+            for (int dd = 0; dd < d; dd++) col[dd * VL] = qv[dd] * a->scale;
+        } else if (pairs) {
+            for (int dd = 0; dd < d; dd++) qt[j * d + pair_slot(dd)] = qv[dd] * a->scale;
+        } else {
+            for (int dd = 0; dd < d; dd++) qt[j * d + dd] = qv[dd] * a->scale;
+        }
+    }
+}
+
 /* One task: the partials of item `it`'s queries, query heads of KV head h, over keys
- * [c0, c1) of the item. `scratch` holds (CHUNK + d) * nj_pad floats, then (a 16-bit cache)
+ * [c0, c1) of the item. `scratch` holds CHUNK * nj_pad floats, then (a 16-bit cache)
  * 2 * CHUNK * d for the chunk's K and V rows widened to float32. */
 static void run_task(const Args *a, const Task *tk, float *parts, float *scratch) {
     const int g = a->hq / a->hkv, d = a->d, h = tk->head, it = tk->item;
@@ -528,27 +559,20 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
      * widened into scratch first. */
     const int pairs = by_rows && a->kv_dtype == KV_BF16 && d % 32 == 0;
     const int in_place = a->kv_dtype == KV_F32 || pairs;
-    /* By lanes, qt and s are blocks of VL query heads, each block's rows contiguous (so a
-     * vector's pass reads and writes its own few KiB, not a column strided across them all). */
-    float *qt = scratch;     /* by lanes [njp / VL][d][VL], by rows [nj][d]: scaled queries */
-    float *s = qt + d * njp; /* by lanes [njp / VL][CHUNK][VL]: scores, then probabilities */
+    const float *qt = a->qts + a->qt_at[it] + h * njp * d; /* fill_queries */
+    /* By lanes, s is blocks of VL query heads, each block's rows contiguous, as qt. */
+    float *s = scratch; /* by lanes [njp / VL][CHUNK][VL], by rows [nj][CHUNK]: scores, then
+                         * probabilities */
     int32_t lim[njp];
     /* Row addresses; a bfloat16 row read in place is held as a float pointer too (rows_bf16
      * reads it as uint16_t). */
     const float *krow[CHUNK], *vrow[CHUNK];
     float *wide = s + (int64_t)CHUNK * njp; /* a 16-bit cache's rows as float32: K, then V */
-    const int32_t *qtok = a->qtok + a->qo[it], *qlim = a->qlim + a->qo[it];
+    const int32_t *qlim = a->qlim + a->qo[it];
 
     /* `lanes` reads whole vectors, padding included; `rows` only the nj query heads. */
-    for (int64_t j = 0; j < (by_rows ? nj : njp); j++) {
-        int valid = j < nj;
-        lim[j] = valid ? qlim[j / g] : c1; /* padding lanes see every key; dropped later */
-        const float *qv = valid ? a->q + ((int64_t)qtok[j / g] * a->hq + h * g + j % g) * d : 0;
-        for (int dd = 0; dd < d; dd++) {
-            float x = valid ? qv[dd] * a->scale : 0.0f;
-            qt[by_rows ? j * d + (pairs ? pair_slot(dd) : dd) : j / VL * d * VL + dd * VL + j % VL] = x;
-        }
-    }
+    for (int64_t j = 0; j < (by_rows ? nj : njp); j++)
+        lim[j] = j < nj ? qlim[j / g] : c1; /* padding lanes see every key; dropped later */
     const int32_t *blocks = a->blocks + a->bo[it];
     const int64_t row_bytes = (int64_t)d * a->esize, slot_bytes = a->hkv * row_bytes;
     /* Key c0 + t sits in block (c0 + t) / bs at offset (c0 + t) % bs, stepped key by key. */
@@ -586,11 +610,11 @@ static void run_task(const Args *a, const Task *tk, float *parts, float *scratch
         return;
     }
     /* Vectors past the last query head hold only padding, which the merge never reads. */
-    const int by_d = d % 16 == 0 && d <= D_MAX;
+    const int by_d = BY_HEAD(d);
     for (int64_t j0 = 0; j0 < nj; j0 += VL) /* the first vector's pass brings K in */
         lanes(qt + j0 * d, s + j0 * CHUNK, njp, lim + j0, krow, vrow, n, c0, d, pm + j0, pl + j0,
               pacc + j0, j0 == 0 && in_place ? (int)row_bytes : 0, !by_d);
-    if (by_d) pv_by_d(s, vrow, n, nj, d, njp, pacc, in_place);
+    if (by_d) pv_by_d(s, vrow, n, nj, d, pacc, in_place);
 }
 
 /* out = softmax(q . K) V for every row, over the keys its items give it.
@@ -605,15 +629,21 @@ int kva_paged_attention(const float *q, const void *k_cache, const void *v_cache
     if (kv_dtype != KV_F32 && kv_dtype != KV_BF16 && kv_dtype != KV_F16) return -1;
     const int g = hq / hkv;
     Args a = {q, k_cache, v_cache, hq, hkv, d, bs, kv_dtype, kv_dtype == KV_F32 ? 4 : 2,
-              blocks, kv_len, bo, qo, nq, qtok, qlim, scale};
-    int64_t n_tasks = 0, part_floats = 0, max_njp = 0;
+              blocks, kv_len, bo, qo, nq, qtok, qlim, scale, NULL, NULL};
+    int64_t n_tasks = 0, part_floats = 0, max_njp = 0, qt_floats = 0;
+    int64_t *qt_at = malloc(sizeof(int64_t) * (size_t)(n_items ? n_items : 1));
+    if (!qt_at) return -1;
     for (int i = 0; i < n_items; i++) {
         int64_t njp = pad16((int64_t)nq[i] * g);
         int64_t chunks = (kv_len[i] + CHUNK - 1) / CHUNK;
         n_tasks += chunks * hkv;
         part_floats += chunks * hkv * njp * (d + 2);
         if (njp > max_njp) max_njp = njp;
+        qt_at[i] = qt_floats;
+        qt_floats += hkv * njp * d;
     }
+    float *qts = malloc(sizeof(float) * (size_t)(qt_floats ? qt_floats : 1));
+    a.qts = qts, a.qt_at = qt_at;
     Task *tasks = malloc(sizeof(Task) * (size_t)(n_tasks ? n_tasks : 1));
     /* Units of work, each a run of tasks: unit u is tasks [units[u], units[u + 1]). A chunk of
      * an item taken by `rows` is one unit (all its KV heads: its slots are read whole, in
@@ -621,9 +651,14 @@ int kva_paged_attention(const float *q, const void *k_cache, const void *v_cache
     int64_t *units = malloc(sizeof(int64_t) * (size_t)(n_tasks + 1));
     float *parts = malloc(sizeof(float) * (size_t)(part_floats ? part_floats : 1));
     float *state = malloc(sizeof(float) * (size_t)T * hq * (d + 2)); /* max, sum, acc[d] */
-    if (!tasks || !units || !parts || !state) {
-        free(tasks), free(units), free(parts), free(state);
+    if (!tasks || !units || !parts || !state || !qts) {
+        free(tasks), free(units), free(parts), free(state), free(qts), free(qt_at);
         return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t ih = 0; ih < (int64_t)n_items * hkv; ih++) {
+        int i = (int)(ih / hkv), h = (int)(ih % hkv);
+        fill_queries(&a, i, h, qts + qt_at[i] + h * pad16((int64_t)nq[i] * g) * d);
     }
     int64_t nt = 0, nu = 0, off = 0;
     for (int i = 0; i < n_items; i++) {
@@ -639,7 +674,7 @@ int kva_paged_attention(const float *q, const void *k_cache, const void *v_cache
     units[nu] = nt;
 
     const size_t scratch_floats =
-        (size_t)(CHUNK + d) * max_njp + (kv_dtype == KV_F32 ? 0 : (size_t)2 * CHUNK * d);
+        (size_t)CHUNK * max_njp + (kv_dtype == KV_F32 ? 0 : (size_t)2 * CHUNK * d);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -656,7 +691,7 @@ int kva_paged_attention(const float *q, const void *k_cache, const void *v_cache
         }
         free(scratch);
     }
-    free(units);
+    free(units), free(qts), free(qt_at);
     if (failed) {
         free(tasks), free(parts), free(state);
         return -1;
@@ -668,6 +703,7 @@ int kva_paged_attention(const float *q, const void *k_cache, const void *v_cache
     memset(sacc, 0, sizeof(float) * (size_t)T * hq * d);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int h = 0; h < hkv; h++) {
+        const int by_head = BY_HEAD(d);
         for (int64_t t = 0; t < nt; t++) {
             const Task *tk = &tasks[t];
             if (tk->head != h) continue;
@@ -681,8 +717,10 @@ int kva_paged_attention(const float *q, const void *k_cache, const void *v_cache
                 float a_old = smax[r] == -INFINITY ? 0.0f : expf(smax[r] - m);
                 float a_new = expf(pm[j] - m);
                 ssum[r] = ssum[r] * a_old + pl[j] * a_new;
+                const float *pj = by_head ? pacc + (int64_t)j * d : pacc + j;
+                const int64_t step = by_head ? 1 : njp;
                 for (int dd = 0; dd < d; dd++)
-                    sacc[r * d + dd] = sacc[r * d + dd] * a_old + pacc[dd * njp + j] * a_new;
+                    sacc[r * d + dd] = sacc[r * d + dd] * a_old + pj[dd * step] * a_new;
                 smax[r] = m;
             }
         }
