@@ -13,11 +13,16 @@ fault ``--fault-after-s`` into it:
 - ``ingress``: one of the two ingress replicas killed (the front door sends what it had not
   answered again; Serve replaces it).
 
+Beside the HTTP users, ``--handle-users`` Python callers (a driver joined to the command's
+Ray) send the same requests through the handle ``deploy`` gives, ``IngressHandle`` (the
+replica's loss: sent again, as the front door does): counted under ``handle`` per fault.
+
 Then SIGTERM to the command's whole process group, as ``kill -TERM -PGID`` or ``timeout`` send
 it: the stop must drain in order and leave no Ray process.
 
-One JSON line: ``scenario`` "serve_plane"; ``requests`` (sent), ``failed`` (sent, and not
-answered whole), ``wrong`` (an answer unlike the no-fault reference of an in-process engine),
+One JSON line: ``scenario`` "serve_plane"; ``requests`` (sent, HTTP and handle), ``failed``
+(sent, and not answered whole), ``wrong`` (an answer unlike the no-fault reference of an
+in-process engine),
 ``refused`` (connections refused, each followed by a pause of ``REFUSED_BACKOFF_S``: no request
 was sent, and a client that retries gets its answer later); per fault the same counts and the
 failures' kinds; the stop's seconds, exit status and the Ray processes it left.
@@ -32,6 +37,7 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -69,6 +75,7 @@ def add_load_args(p: argparse.ArgumentParser, phase_s: float) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_load_args(p, phase_s=20.0)
+    p.add_argument("--handle-users", type=int, default=4, help="Python callers beside them")
     p.add_argument("--fault-after-s", type=float, default=3.0)
     p.add_argument("--port", type=int, default=0, help="0: a free one")
     return p.parse_args()
@@ -100,11 +107,57 @@ def serving(log: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> None
         time.sleep(0.5)
 
 
+class _Counted(logging.Handler):
+    """Counts ``logger``'s records holding ``text`` until closed."""
+
+    def __init__(self, logger: logging.Logger, text: str) -> None:
+        super().__init__(logging.INFO)
+        self.logger, self.text, self.n = logger, text, 0
+        self.level_before = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.n += 1
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+        super().close()
+
+
+def handle_complete(handle: Any, text: str, max_tokens: int, stream: bool, model: str) -> dict:
+    """``complete``'s request through the Python handle (its body, as a dict): the text, or
+    the error's class and message, never raised."""
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    try:
+        if not stream:
+            return {
+                "ok": True,
+                "text": handle.completions.remote(body).result()["choices"][0]["text"],
+            }
+        chunks = handle.options(stream=True).completions.remote(body)
+        return {
+            "ok": True,
+            "text": "".join(c["choices"][0]["text"] for c in chunks if c["choices"]),
+        }
+    except Exception as e:  # counted by its kind
+        return {"ok": False, "cause": type(e).__name__, "error": str(e)[:200]}
+
+
 def load(
-    base: str, texts: list[str], ref: list[dict], args: argparse.Namespace, fault: Any
+    base: str,
+    texts: list[str],
+    ref: list[dict],
+    args: argparse.Namespace,
+    fault: Any,
+    handle: Any | None = None,
 ) -> dict:
-    """A closed loop of ``args.users`` users for ``args.phase_s``; ``fault`` runs
-    ``args.fault_after_s`` into it. Counts, and the failures' kinds."""
+    """A closed loop of ``args.users`` HTTP users (and, given ``handle``, of
+    ``args.handle_users`` handle callers) for ``args.phase_s``; ``fault`` runs
+    ``args.fault_after_s`` into it. Counts, and the failures' kinds (the handle's apart)."""
     from tests.two_hosts_client import client, complete, streamed
 
     counter = itertools.count()
@@ -112,6 +165,16 @@ def load(
     counts: collections.Counter[str] = collections.Counter()
     kinds: collections.Counter[str] = collections.Counter()
     end = time.monotonic() + args.phase_s
+
+    def count(r: dict, i: int, via: str) -> None:
+        with lock:
+            counts[f"{via}requests"] += 1
+            if not r["ok"]:
+                counts[f"{via}failed"] += 1
+                kind = r.get("cause") or r.get("error")
+                kinds[f"{via}{kind} {r['status']}" if r.get("status") else f"{via}{kind}"] += 1
+            elif r["text"] != ref[i]["text"]:
+                counts[f"{via}wrong"] += 1
 
     def user() -> None:
         api = client(base)  # one per user, its connection kept alive, as an application's
@@ -123,29 +186,48 @@ def load(
                     counts["refused"] += 1
                 time.sleep(REFUSED_BACKOFF_S)
                 continue
-            with lock:
-                counts["requests"] += 1
-                if not r["ok"]:
-                    counts["failed"] += 1
-                    kind = r.get("cause") or r.get("error")
-                    kinds[f"{kind} {r['status']}" if r.get("status") else kind] += 1
-                elif r["text"] != ref[i]["text"]:
-                    counts["wrong"] += 1
+            count(r, i, "")
 
+    def handle_user() -> None:
+        while time.monotonic() < end:
+            i = next(counter) % len(texts)
+            count(
+                handle_complete(handle, texts[i], args.max_tokens, streamed(i), args.model),
+                i,
+                "handle ",
+            )
+
+    resent = _Counted(logging.getLogger("kvmesh.cluster.ingress_handle"), "sending it again")
     threads = [threading.Thread(target=user) for _ in range(args.users)]
+    if handle is not None:
+        threads += [threading.Thread(target=handle_user) for _ in range(args.handle_users)]
     for t in threads:
         t.start()
     time.sleep(args.fault_after_s)
     fault()
     for t in threads:
         t.join()
-    return {
-        "requests": counts["requests"],
-        "failed": counts["failed"],
-        "refused": counts["refused"],
-        "wrong": counts["wrong"],
-        "kinds": dict(kinds),
-    }
+    resent.close()
+    out = {key: counts[key] + counts[f"handle {key}"] for key in ("requests", "failed", "wrong")}
+    out["refused"] = counts["refused"]
+    if handle is not None:
+        out["handle"] = {key: counts[f"handle {key}"] for key in ("requests", "failed", "wrong")}
+        out["handle"]["sent_again"] = resent.n  # lost with their ingress replica, then answered
+    out["kinds"] = dict(kinds)
+    return out
+
+
+def join(ray_tmpdir: str) -> Any:
+    """This process as a driver of the command's Ray (its ``RAY_TMPDIR``), and the app's
+    handle as ``deploy`` gives it."""
+    import ray
+    from ray import serve
+
+    from kvmesh.cluster import IngressHandle
+
+    os.environ["RAY_TMPDIR"] = ray_tmpdir
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    return IngressHandle(serve.get_app_handle("kvmesh"))
 
 
 def main() -> None:
@@ -173,14 +255,19 @@ def main() -> None:
         )
         try:
             serving(workdir / "serve.log", proc)
+            handle = join(env["RAY_TMPDIR"]) if args.handle_users else None
             for name, title in FAULTS.items():
                 row["faults"][name] = load(
-                    base, texts, ref, args, lambda title=title: kill_first(proc.pid, title)
+                    base, texts, ref, args, lambda title=title: kill_first(proc.pid, title), handle
                 )
                 if not wait_ready(base, timeout=120, model=args.model)["ready"]:
                     raise RuntimeError(f"kvmesh serve did not answer again after the {name} kill")
             descendants = [p for p, _ in titles(proc.pid)]
         finally:
+            with contextlib.suppress(Exception):  # this driver leaves first: not the command's
+                import ray
+
+                ray.shutdown()
             sent = time.monotonic()
             os.killpg(proc.pid, signal.SIGTERM)  # as `kill -TERM -PGID` and `timeout` do
             try:
