@@ -219,15 +219,14 @@ def load(
 
 def join(ray_tmpdir: str) -> Any:
     """This process as a driver of the command's Ray (its ``RAY_TMPDIR``), and the app's
-    handle as ``deploy`` gives it."""
+    handle (``app_handle``: as ``deploy`` gives it)."""
     import ray
-    from ray import serve
 
-    from kvmesh.cluster import IngressHandle
+    from kvmesh.cluster import app_handle
 
     os.environ["RAY_TMPDIR"] = ray_tmpdir
     ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    return IngressHandle(serve.get_app_handle("kvmesh"))
+    return app_handle()
 
 
 def main() -> None:

@@ -1,17 +1,17 @@
 """kvmesh.cluster: config, router, serving (Ray Serve + OpenAI API), CLI.
 
-``deploy``, ``build_app`` and ``IngressHandle`` load Ray Serve on first use.
+``deploy``, ``app_handle``, ``build_app`` and ``IngressHandle`` load Ray Serve on first use.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["IngressHandle", "ServeConfig", "build_app", "deploy"]
+__all__ = ["IngressHandle", "ServeConfig", "app_handle", "build_app", "deploy"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("deploy", "build_app"):
+    if name in ("deploy", "build_app", "app_handle"):
         from kvmesh.cluster import serve_app
 
         return getattr(serve_app, name)

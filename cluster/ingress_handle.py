@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 
 class IngressHandle:
     """Serve's handle of the ingress (``KvmeshServer``), each call answered as the module
-    says. ``deploy(config)`` returns one; for an app started otherwise (``kvmesh serve``,
-    a serve config), ``IngressHandle(serve.get_app_handle("kvmesh"))``."""
+    says. ``deploy(config)`` returns one; ``serve_app.app_handle()`` one for an app started
+    otherwise (``kvmesh serve``, a serve config, KubeRay)."""
 
     def __init__(self, handle: Any, stream: bool = False) -> None:
         self.handle = handle

@@ -395,3 +395,10 @@ def deploy(config: ServeConfig, owner: str | None = None) -> IngressHandle:
     if door:
         front_door.warn_if_missing()
     return IngressHandle(serve.run(application(config, owner), name=APP_NAME, route_prefix="/"))
+
+
+def app_handle() -> IngressHandle:
+    """The handle of the kvmesh app already running on the connected Ray cluster (started by
+    ``kvmesh serve``, a serve config or KubeRay), as ``deploy`` returns it. Call
+    ``ray.init(address=...)`` first; raises Serve's ``RayServeException`` when no app runs."""
+    return IngressHandle(serve.get_app_handle(APP_NAME))

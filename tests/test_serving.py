@@ -16,8 +16,9 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.api_error import ApiError
 from kvmesh.cluster.backend import GenerateRequest
 from kvmesh.cluster.frontend import PROGRESS_INTERVAL_S, ClusterBackend
+from kvmesh.cluster.ingress_handle import IngressHandle
 from kvmesh.cluster.liveness import engine_actor_name
-from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX
+from kvmesh.cluster.serve_app import APP_NAME, WORKER_DEPLOYMENT_PREFIX, app_handle
 from kvmesh.cluster.worker_request import WorkerRequest
 from kvmesh.connector.index_actor import get_index_actor
 from kvmesh.workers.block_hash import block_hashes
@@ -153,6 +154,10 @@ def test_handle_generate_and_stream(unified, reference: LLM) -> None:
     out = handle.generate.remote(req).result()
     want = reference.generate([list(range(1, 40))], SamplingParams(max_tokens=6, temperature=0))
     assert out["token_ids"] == want[0].token_ids
+    # A running app's handle, as a driver that did not deploy it gets it: deploy's kind.
+    running = app_handle()
+    assert isinstance(running, IngressHandle)
+    assert running.generate.remote(req).result()["token_ids"] == out["token_ids"]
     assert out["kvmesh"]["worker"].startswith("worker-")
     chunks = list(handle.options(stream=True).generate.remote({**req, "stream": True}))
     assert [t for c in chunks for t in c["token_ids"]] == out["token_ids"]
