@@ -54,10 +54,12 @@ class IngressHandle:
     def options(self, **kwargs: Any) -> IngressHandle:
         return IngressHandle(self.handle.options(**kwargs), kwargs.get("stream", self.stream))
 
-    def __getattr__(self, method: str) -> _Method:
-        if method.startswith("_"):  # copy, pickle and friends probe these
-            raise AttributeError(method)
-        return _Method(self, method)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # copy, pickle and friends probe these
+            raise AttributeError(name)
+        if hasattr(type(self.handle), name):  # Serve's own: deployment_name, shutdown, ...
+            return getattr(self.handle, name)
+        return _Method(self, name)  # any other name is a method of the ingress, as in Serve
 
     def __reduce__(self) -> tuple[Any, ...]:
         return IngressHandle, (self.handle, self.stream)

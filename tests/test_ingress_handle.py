@@ -133,6 +133,15 @@ def test_an_answer_lost_on_every_try_raises_the_front_doors_503() -> None:
     assert len(serve.sends) == RETRIES + 1
 
 
+def test_serves_own_attributes_pass_and_any_other_name_is_a_method() -> None:
+    class Named(LosingHandle):
+        deployment_name = "KvmeshServer"
+
+    handle = IngressHandle(Named(losses=0))
+    assert handle.deployment_name == "KvmeshServer"
+    assert handle.generate.remote({"p": 1}).result() == "generate:{'p': 1}"
+
+
 def test_the_timeout_bounds_all_the_tries_together() -> None:
     serve = LosingHandle(losses=1)
     IngressHandle(serve).generate.remote({}).result(timeout_s=5.0)
