@@ -16,6 +16,7 @@ from kvmesh.cluster.protocol import ChatMessage
 from kvmesh.cluster.request_parsing import describe_errors
 from kvmesh.workers.sampling_params import SamplingParams
 
+MAX_REQUEST_ID = 256  # characters of a caller's request_id
 _SAMPLING_KEYS = (
     "max_tokens",
     "min_tokens",
@@ -56,7 +57,11 @@ def parse_request(d: dict[str, Any]) -> GenerateRequest:
     except ValidationError as e:
         raise ValueError(describe_errors(e.errors(include_url=False))[0]) from None
     params = SamplingParams(**{k: d[k] for k in _SAMPLING_KEYS if k in d})
-    rid = str(d.get("request_id") or f"kvmesh-{uuid.uuid4().hex}")
+    rid = d.get("request_id")
+    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID):
+        # It names the request in logs and on the workers: a string, and short.
+        raise ValueError(f"request_id: must be a string of 1 to {MAX_REQUEST_ID} characters")
+    rid = rid or f"kvmesh-{uuid.uuid4().hex}"
     messages = None if given.messages is None else [m.as_dict() for m in given.messages]
     return GenerateRequest(rid, params, prompt=given.prompt, messages=messages)
 

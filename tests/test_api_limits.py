@@ -180,7 +180,9 @@ def test_tiny_temperature_and_top_p_are_floored() -> None:
 def test_the_python_handle_refuses_the_same() -> None:
     from kvmesh.cluster.handle_generate import parse_request
 
-    for field, value in (("seed", 2**80), ("temperature", float("nan")), ("top_k", 10**12)):
+    cases = [("seed", 2**80), ("temperature", float("nan")), ("top_k", 10**12)]
+    cases += [("request_id", [1, 2]), ("request_id", "x" * 10**6), ("request_id", "")]
+    for field, value in cases:
         with pytest.raises(ValueError, match=f"^{field}: "):
             parse_request({"prompt": "a", field: value})
 
