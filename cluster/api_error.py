@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -49,12 +50,31 @@ class BadRequest(ApiError, ValueError):
     (``replica_logs``)."""
 
 
+@contextlib.contextmanager
+def checked(cls: type[ApiError] = ApiError, rename: dict[str, str] | None = None) -> Iterator[None]:
+    """Inside, a ValueError (a check's "field: why"; also one a Ray task raised) becomes
+    ``cls``'s 400 naming the field."""
+    try:
+        yield
+    except ValueError as e:
+        raise cls.bad_input(root_cause(e), rename) from None  # type: ignore[arg-type]
+
+
 def valid(fn: Callable[[], T], rename: dict[str, str] | None = None) -> T:
     """Run a validating call; its ValueError becomes a 400 naming the field."""
-    try:
+    with checked(ApiError, rename):
         return fn()
-    except ValueError as e:
-        raise ApiError.bad_input(e, rename) from None
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """``e`` itself, or the cause that a Ray task error wraps (``RayTaskError.cause``; its own
+    message holds the remote traceback, pid and actor id, so the cause's is the one to show)."""
+    for _ in range(8):  # RayTaskError(RayTaskError(ValueError)): a task that called a task
+        cause = getattr(e, "cause", None)
+        if not isinstance(cause, BaseException) or cause is e:
+            break
+        e = cause
+    return e
 
 
 def error_body(

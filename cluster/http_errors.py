@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmesh.cluster.api_error import ApiError, error_body
+from kvmesh.cluster.api_error import ApiError, error_body, root_cause
 from kvmesh.cluster.backend import Unavailable
 from kvmesh.cluster.request_parsing import describe_errors
 
@@ -40,17 +40,6 @@ class Overloaded(ApiError):
         super().__init__(OVERLOADED_STATUS, message, "overloaded_error", code="overloaded")
         self.retry_after = max(1, math.ceil(retry_after_s))
         self.headers = {"Retry-After": str(self.retry_after)}
-
-
-def root_cause(e: BaseException) -> BaseException:
-    """``e`` itself, or the cause that a Ray task error wraps (``RayTaskError.cause``; its own
-    message holds the remote traceback, pid and actor id, so the cause's is the one to show)."""
-    for _ in range(8):  # RayTaskError(RayTaskError(ValueError)): a task that called a task
-        cause = getattr(e, "cause", None)
-        if not isinstance(cause, BaseException) or cause is e:
-            break
-        e = cause
-    return e
 
 
 def as_api_error(e: Exception, where: str, *, bad_input: bool = True) -> ApiError:

@@ -36,8 +36,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from kvmesh.cluster.api_error import root_cause
 from kvmesh.cluster.front_door import LOST, RETRIES, RETRY_PAUSE_S, unavailable_error
-from kvmesh.cluster.http_errors import root_cause
 
 logger = logging.getLogger(__name__)
 

@@ -41,13 +41,13 @@ from ray.serve.schema import ApplicationStatus
 
 from kvmesh.cluster import front_door
 from kvmesh.cluster.admission import Admission, Admitted
-from kvmesh.cluster.api_error import BadRequest
+from kvmesh.cluster.api_error import BadRequest, checked
 from kvmesh.cluster.backend import GenerateRequest
 from kvmesh.cluster.config import ServeConfig, with_env_api_key
 from kvmesh.cluster.frontend import ClusterBackend
 from kvmesh.cluster.generation import Generation
 from kvmesh.cluster.handle_generate import chunk_dict, completion_dict, parse_request
-from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded, root_cause
+from kvmesh.cluster.http_errors import OVERLOADED_STATUS, Overloaded
 from kvmesh.cluster.ingress_handle import IngressHandle
 from kvmesh.cluster.launch import check_serve_http, serve_details
 from kvmesh.cluster.liveness import SILENT_PERIODS
@@ -171,21 +171,22 @@ class KvmeshServer:
                     yield chunk
 
     async def generate(self, request: dict[str, Any]) -> Any:
-        """The Python handle's entry point; see the module docstring. A bad request raises
-        ``BadRequest`` (a ValueError naming the field, and a 400 ``ApiError``); over the
-        admission limit Serve's ``BackPressureError`` (429, ``retry_after_s``)."""
-        with _bad_request():
+        """The Python handle's entry point; see the module docstring. A bad request (here or
+        in the backend: a prompt longer than the context, ...) raises ``BadRequest`` (a
+        ValueError naming the field, and a 400 ``ApiError``); over the admission limit
+        Serve's ``BackPressureError`` (429, ``retry_after_s``)."""
+        with checked(BadRequest):
             req = parse_request(request)
         if request.get("stream"):
             return self._stream(req)
-        with self._admitted(), _bad_request():
+        with self._admitted(), checked(BadRequest):
             return completion_dict(await self.backend.generate(req))
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         # Admitted at the first chunk asked for, inside the generator, which gives the places
         # back however it ends; a generator never started (a call without
         # ``options(stream=True)``, which Serve refuses) holds none.
-        with self._admitted(), _bad_request():
+        with self._admitted(), checked(BadRequest):
             async with contextlib.aclosing(self.backend.stream(req)) as chunks:
                 async for chunk in chunks:
                     yield chunk_dict(chunk)
@@ -220,19 +221,6 @@ class KvmeshServer:
             "pid": os.getpid(),
             "rss_bytes": psutil.Process().memory_info().rss,
         }
-
-
-@contextlib.contextmanager
-def _bad_request() -> Iterator[None]:
-    """A ValueError of the request's checks (here or in the backend: the prompt longer than
-    the context, ...) as ``BadRequest``, with the message of the check itself (a Ray task
-    error's own message holds a remote traceback)."""
-    try:
-        yield
-    except BadRequest:
-        raise
-    except ValueError as e:
-        raise BadRequest.bad_input(root_cause(e)) from None
 
 
 def _worker_deployment(config: ServeConfig, role: str, count: int, most: int | None) -> Any:

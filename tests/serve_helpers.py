@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import ray
 from ray import serve
@@ -30,6 +31,20 @@ def tiny_config(**kw: Any) -> ServeConfig:
         "port": SERVE_PORT,
     }
     return ServeConfig(**{**base, **kw})
+
+
+def unified_app() -> tuple[Any, openai.OpenAI, ServeConfig]:
+    """tiny-random on two unified workers, round robin, deployed: its handle, the official
+    client over HTTP, its config."""
+    config = tiny_config(workers=2, router="round_robin")
+    handle = redeploy(config)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none")
+    return handle, client, config
+
+
+def tiny_reference() -> LLM:
+    """An in-process engine on the model the test apps serve, for their expected outputs."""
+    return LLM("tiny-random", block_size=4, num_kv_blocks=256, progress=False)
 
 
 def redeploy(config: ServeConfig) -> Any:
