@@ -23,6 +23,7 @@ from tests.serve_helpers import (
     running_replicas,
     served_fingerprint,
     tiny_config,
+    tiny_reference,
     undeploy,
     wait_for,
 )
@@ -33,7 +34,7 @@ BACK = "index answers again"  # the router's log line when its probe hears from 
 
 @pytest.fixture(scope="module")
 def reference() -> LLM:
-    return LLM("tiny-random", block_size=4, num_kv_blocks=256, progress=False)
+    return tiny_reference()
 
 
 @pytest.fixture(scope="module")

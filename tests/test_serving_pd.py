@@ -16,6 +16,7 @@ from tests.serve_helpers import (
     replica_log,
     running_replicas,
     tiny_config,
+    tiny_reference,
     undeploy,
     wait_for,
 )
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 @pytest.fixture(scope="module")
 def reference() -> LLM:
-    return LLM("tiny-random", block_size=4, num_kv_blocks=256, progress=False)
+    return tiny_reference()
 
 
 def test_prefill_decode_equals_unified_and_survives_prefill_death(reference) -> None:
