@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from kvmesh.workers.kv_tiers import check_disk_cache_size
-from kvmesh.workers.memory_size import parse_memory
+from kvmesh.workers.memory_size import memory_setting
 
 ROUTERS = ("kv_aware", "round_robin", "least_loaded")
 TRANSPORTS = ("nixl", "ray")
@@ -182,10 +182,7 @@ class ServeConfig:
         for name in ("kv_cache_memory", "host_cache_memory", "disk_cache_size"):
             if getattr(self, name) is None:  # disk_cache_size: the default
                 continue
-            try:
-                parse_memory(getattr(self, name))
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+            memory_setting(name, getattr(self, name))
         if self.disk_cache_dir == "":
             raise bad("disk_cache_dir", "must be a directory (leave it out for no disk tier)")
         if self.api_key == "":

@@ -19,7 +19,7 @@ from kvmesh.workers.bad_words import with_bad_words_token_ids
 from kvmesh.workers.block_hash import ModelFingerprint, cache_namespace
 from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.detokenizer import Detokenizer
-from kvmesh.workers.engine_config import EngineConfig, check_host_memory, context_len
+from kvmesh.workers.engine_config import EngineConfig, context_len
 from kvmesh.workers.grammars import Grammars
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.kv_cache_manager import KVCacheManager
@@ -27,6 +27,7 @@ from kvmesh.workers.kv_connector import KvCacheConnector, NoopKvCacheConnector, 
 from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.loader import load_weights
 from kvmesh.workers.logprobs import logprob_entries, prompt_logprob_entries
+from kvmesh.workers.memory_room import check_kv_memory
 from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.model_setup import build_model
@@ -104,6 +105,12 @@ class LLMEngine:
                 f"{config.block_size} tokens for this model"
             )
         self.max_model_len = context_len(config, mc.max_position_embeddings, num_blocks)
+        check_kv_memory(
+            self.device,
+            KVCache.nbytes_for(mc, num_blocks, config.block_size, self.kv_dtype),
+            "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory",
+            config.tier_config.host_bytes,
+        )
         self.kv_cache = KVCache.allocate(
             mc, num_blocks, config.block_size, self.kv_dtype, self.device
         )
@@ -127,7 +134,6 @@ class LLMEngine:
         if connector is not None and not isinstance(connector, KvCacheConnector):
             connector = connector(ConnectorContext(worker_id, self.kv_cache, self.fingerprint))
         tiers = config.tier_config
-        check_host_memory(tiers.host_bytes)
         if tiers.enabled:  # the local tiers sit in front of any other connector
             connector = TieredKvConnector(
                 connector or NoopKvCacheConnector(),

@@ -4,12 +4,11 @@ model or the machine (the context the pool holds, the host tier against the memo
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmesh.workers.kv_tiers import DEFAULT_DISK_CACHE_SIZE, TierConfig, check_disk_cache_size
-from kvmesh.workers.memory_size import parse_memory
+from kvmesh.workers.memory_size import memory_setting
 
 if TYPE_CHECKING:
     import torch
@@ -72,32 +71,26 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        memory_setting("kv_cache_memory", self.kv_cache_memory)
         _ = self.tier_config  # validates the tier settings
 
     @property
     def tier_config(self) -> TierConfig:
         """The tiers' byte budgets (ValueError naming the setting when one is wrong)."""
         check_disk_cache_size(self.disk_cache_size, self.disk_cache_dir)
-        sizes = {}
-        for name, value in (
-            ("host_cache_memory", self.host_cache_memory),
-            (
-                "disk_cache_size",
-                DEFAULT_DISK_CACHE_SIZE if self.disk_cache_size is None else self.disk_cache_size,
-            ),
-        ):
-            try:
-                sizes[name] = parse_memory(value)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+        disk_size = self.disk_cache_size
+        host_bytes = memory_setting("host_cache_memory", self.host_cache_memory)
+        disk_bytes = memory_setting(
+            "disk_cache_size", DEFAULT_DISK_CACHE_SIZE if disk_size is None else disk_size
+        )
         if self.disk_cache_dir is not None and not (
             isinstance(self.disk_cache_dir, str) and self.disk_cache_dir
         ):
             raise ValueError(f"disk_cache_dir: must be a path, got {self.disk_cache_dir!r}")
         return TierConfig(
-            host_bytes=sizes["host_cache_memory"],
+            host_bytes=host_bytes,
             disk_dir=self.disk_cache_dir,
-            disk_bytes=sizes["disk_cache_size"] if self.disk_cache_dir else 0,
+            disk_bytes=disk_bytes if self.disk_cache_dir else 0,
         )
 
     @property
@@ -123,17 +116,6 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.kv_cache_dtype)
-
-
-def check_host_memory(host_bytes: int) -> None:
-    """Refuse a host tier larger than this machine's memory: it fills lazily, so it would
-    otherwise end in an out-of-memory kill long after the start."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if host_bytes > total:
-        raise ValueError(
-            f"host_cache_memory: {host_bytes / 2**30:.1f} GiB is more than this machine's "
-            f"memory ({total / 2**30:.1f} GiB)"
-        )
 
 
 def context_len(config: EngineConfig, model_len: int, num_blocks: int) -> int:

@@ -59,13 +59,20 @@ class KVCache:
         return cls(torch.zeros(shape, dtype=dtype, device=device))
 
     @staticmethod
+    def nbytes_for(
+        config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of a cache of `num_blocks` blocks (all layers, K and V)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_block = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
+        return num_blocks * per_block * itemsize
+
+    @staticmethod
     def num_blocks_for_memory(
         config: ModelConfig, block_size: int, dtype: torch.dtype, nbytes: int
     ) -> int:
         """How many whole blocks (all layers, K and V) fit in `nbytes` bytes."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_block = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
-        return nbytes // (per_block * itemsize)
+        return nbytes // KVCache.nbytes_for(config, 1, block_size, dtype)
 
     @property
     def dtype(self) -> torch.dtype:

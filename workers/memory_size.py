@@ -44,3 +44,11 @@ def parse_memory(value: str | int) -> int:
             "'512MiB', '1GiB' or '2GB'"
         )
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def memory_setting(name: str, value: str | int) -> int:
+    """``parse_memory`` for the setting ``name``: its ValueError names the setting."""
+    try:
+        return parse_memory(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None

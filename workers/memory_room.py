@@ -1,0 +1,113 @@
+"""Whether a worker's KV memory fits where it goes, checked before it is allocated.
+
+A KV pool (and a host tier) larger than the memory free for it does not fail where it is
+set: on CPU, torch refuses only what exceeds the machine's RAM and swap, with an allocator
+message that names no setting; below that the zero-filled pool takes the machine's (or the
+container's) last memory, and the kernel's OOM killer, a container's memory limit or Ray's
+memory monitor ends the worker later, which Serve then replaces, again and again. Checked
+first, the worker refuses to start with a ValueError that names the setting, which
+``kvmesh serve`` prints as the reason its worker failed to start.
+
+Free memory: on CUDA, what the device reports free; on the host, what the machine has
+available (``psutil``), or less where this process's memory cgroup (a container, a pod, a
+systemd unit; v1 or v2) leaves less below its limit. A cgroup's usage counts its page cache
+too, of which the inactive part is reclaimable: it is left out, as the kubelet's working set
+leaves it out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import torch
+
+GIB = 1024**3
+CGROUP_FS = Path("/sys/fs/cgroup")
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def cgroup_room(fs: Path = CGROUP_FS, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes this process's memory cgroup and its ancestors can still take: the least room
+    below any limit on the way up (None: no limit, or no cgroup to read)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and (fs / "cgroup.controllers").exists():  # v2, one hierarchy
+            return _room(fs, path, "memory.max", "memory.current", "inactive_file")
+        if "memory" in controllers.split(","):  # v1's memory hierarchy
+            base = fs / "memory"
+            return _room(base, path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                         "total_inactive_file")  # fmt: skip
+    return None
+
+
+def _room(base: Path, path: str, limit_file: str, usage_file: str, inactive: str) -> int | None:
+    here = base / path.lstrip("/")
+    if not here.is_dir():  # a cgroup namespace: the mount's root is this process's cgroup
+        here = base
+    rooms = []
+    while True:
+        room = _room_of(here, limit_file, usage_file, inactive)
+        if room is not None:
+            rooms.append(room)
+        if here == base or base not in here.parents:
+            break
+        here = here.parent
+    return max(min(rooms), 0) if rooms else None
+
+
+def _room_of(cgroup: Path, limit_file: str, usage_file: str, inactive: str) -> int | None:
+    try:
+        limit_text = (cgroup / limit_file).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= NO_LIMIT:
+            return None
+        usage = int((cgroup / usage_file).read_text())
+        stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+    except (OSError, ValueError):
+        return None  # the root has no limit file; an unreadable one limits nothing we know
+    return int(limit_text) - (usage - int(stat.get(inactive, 0)))
+
+
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """The bytes free for new memory on ``device`` and where, in words, for messages."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"{device} has free"
+    available = psutil.virtual_memory().available
+    room = cgroup_room()
+    if room is not None and room < available:
+        return room, "this process's memory limit (its container or cgroup) leaves"
+    return available, "this machine has available"
+
+
+def check_kv_memory(
+    device: torch.device, pool_bytes: int, pool_setting: str, host_tier_bytes: int
+) -> None:
+    """Refuses (ValueError, naming the settings) a pool, with the host tier on CPU, larger than
+    the memory free where it goes; a GPU worker's host tier is checked against the host. The
+    host tier fills lazily, so it is counted whole: it would otherwise end in an
+    out-of-memory kill long after the start."""
+    host = [(host_tier_bytes, "host_cache_memory")] if host_tier_bytes else []
+    if device.type == "cuda":
+        _check(device, [(pool_bytes, pool_setting)])
+        if host:
+            _check(torch.device("cpu"), host)
+    else:
+        _check(device, [(pool_bytes, pool_setting), *host])
+
+
+def _check(device: torch.device, parts: list[tuple[int, str]]) -> None:
+    free, words = free_memory(device)
+    if sum(n for n, _ in parts) > free:
+        (nbytes, setting), *more = sorted(parts, reverse=True)  # the largest leads
+        asked = f"{nbytes / GIB:.2f} GiB" + "".join(
+            f" with {other}'s {n / GIB:.2f} GiB" for n, other in more
+        )
+        raise ValueError(
+            f"{setting}: {asked} is more than {words} ({free / GIB:.2f} GiB); lower it or "
+            "free memory"
+        )
