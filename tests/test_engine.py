@@ -292,6 +292,10 @@ def test_a_context_the_pool_cannot_hold_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="max_model_len: 32 tokens do not fit in the KV cache"):
         make_llm(num_kv_blocks=4, max_model_len=32)
     assert make_llm(num_kv_blocks=4, max_model_len=16).engine.max_model_len == 16
+    # Past the model's own context: refused too (before, silently cut to the model's).
+    model_len = make_llm(num_kv_blocks=4).engine.model_config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len: {model_len + 1} is more than the mod"):
+        make_llm(num_kv_blocks=4096, max_model_len=model_len + 1)
 
 
 def test_a_host_tier_larger_than_the_machine_is_refused() -> None:

@@ -122,9 +122,16 @@ def context_len(config: EngineConfig, model_len: int, num_blocks: int) -> int:
     """One request's context: ``max_model_len`` (default: the model's), at most what the pool
     holds. A pool too small for the model's context caps the default, with a warning, so
     requests without ``max_tokens`` still fit (as clients read it from /v1/models); an
-    explicit ``max_model_len`` the pool cannot hold is refused, as vLLM does."""
+    explicit ``max_model_len`` the pool cannot hold, or past the model's context, is refused,
+    as vLLM does."""
+    if config.max_model_len is not None and config.max_model_len > model_len:
+        # As vLLM refuses it: positions past the model's were never trained.
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} is more than the model's context of "
+            f"{model_len} tokens; lower it or leave it out"
+        )
     pool_tokens = num_blocks * config.block_size
-    wanted = min(config.max_model_len or model_len, model_len)
+    wanted = config.max_model_len or model_len
     if wanted <= pool_tokens:
         return wanted
     if config.max_model_len is not None:
