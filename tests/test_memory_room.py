@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from subprocess import PIPE
 
 import psutil
 import pytest
@@ -68,6 +69,35 @@ def test_a_pool_over_the_containers_limit_is_refused_naming_it() -> None:
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: kv_cache_memory: 1.00 GiB is more than this process's "
                            "memory limit (its container or cgroup) leaves ("), last  # fmt: skip
+
+
+def test_workers_starting_together_take_turns() -> None:
+    """Two workers start at once in a cgroup with room for one pool: one starts and the other
+    is refused, naming the setting. Before the turns, both saw room for their pool, both
+    zero-filled it, and the kernel killed one (SIGKILL)."""
+    code = (
+        "import time\n"
+        "from kvmesh import LLM\n"
+        "LLM(model='tiny-random', kv_cache_memory='600MiB', progress=False)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with memory_cgroup(1536 * MIB) as cgroup:
+        cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$0" -c "$1"',
+               sys.executable, code]  # fmt: skip
+        procs = [subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True) for _ in range(2)]
+        try:
+            lines = [p.stdout.readline() for p in procs]  # type: ignore[union-attr]
+        finally:
+            for p in procs:
+                p.kill()  # the one that started; the refused one has exited
+            errs = [p.communicate(timeout=30)[1] for p in procs]
+    assert sorted(lines) == ["", "started\n"], (lines, [p.returncode for p in procs], errs)
+    refused = lines.index("")
+    assert procs[refused].returncode == 1, (procs[refused].returncode, errs[refused][-2000:])
+    last = errs[refused].strip().splitlines()[-1]
+    assert last.startswith("ValueError: kv_cache_memory: 0.59 GiB is more than this process's "
+                           "memory limit"), last  # fmt: skip
 
 
 def test_a_pool_and_host_tier_over_the_machines_memory_are_refused() -> None:

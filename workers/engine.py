@@ -27,7 +27,7 @@ from kvmesh.workers.kv_connector import KvCacheConnector, NoopKvCacheConnector, 
 from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.loader import load_weights
 from kvmesh.workers.logprobs import logprob_entries, prompt_logprob_entries
-from kvmesh.workers.memory_room import check_kv_memory
+from kvmesh.workers.memory_room import check_kv_memory, kv_memory_turn
 from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.model_setup import build_model
@@ -105,15 +105,16 @@ class LLMEngine:
                 f"{config.block_size} tokens for this model"
             )
         self.max_model_len = context_len(config, mc.max_position_embeddings, num_blocks)
-        check_kv_memory(
-            self.device,
-            KVCache.nbytes_for(mc, num_blocks, config.block_size, self.kv_dtype),
-            "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory",
-            config.tier_config.host_bytes,
-        )
-        self.kv_cache = KVCache.allocate(
-            mc, num_blocks, config.block_size, self.kv_dtype, self.device
-        )
+        with kv_memory_turn():
+            check_kv_memory(
+                self.device,
+                KVCache.nbytes_for(mc, num_blocks, config.block_size, self.kv_dtype),
+                "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory",
+                config.tier_config.host_bytes,
+            )
+            self.kv_cache = KVCache.allocate(
+                mc, num_blocks, config.block_size, self.kv_dtype, self.device
+            )
         self.fingerprint = ModelFingerprint(
             weights_id=weights_id,
             dtype=str(self.kv_dtype).removeprefix("torch."),

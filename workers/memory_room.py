@@ -17,12 +17,21 @@ leaves it out.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import torch
 
+logger = logging.getLogger(__name__)
 GIB = 1024**3
+# One per machine (or /tmp): workers starting together each check and allocate in turn.
+LOCK_PATH = Path(tempfile.gettempdir()) / "kvmesh-kv-memory.lock"
 CGROUP_FS = Path("/sys/fs/cgroup")
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
@@ -82,6 +91,26 @@ def free_memory(device: torch.device) -> tuple[int, str]:
     if room is not None and room < available:
         return room, "this process's memory limit (its container or cgroup) leaves"
     return available, "this machine has available"
+
+
+@contextlib.contextmanager
+def kv_memory_turn(path: Path = LOCK_PATH) -> Iterator[None]:
+    """This machine's workers check free memory and allocate their pools one at a time:
+    workers that start together (``--workers 2`` on one node) would otherwise each see the
+    memory the other is about to take, both pass, and one be killed later. The pool is
+    zero-filled, so its pages are taken when the turn ends. (A host tier fills lazily: two
+    that each fit alone may still not fit together.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as e:  # another user's lock file: go on without turns
+        logger.debug("no turn for the KV memory check (%s)", e)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_kv_memory(
