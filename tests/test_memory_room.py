@@ -19,9 +19,9 @@ import torch
 
 from kvmesh import LLM
 from kvmesh.workers.engine_config import EngineConfig
-from kvmesh.workers.memory_room import GIB, cgroup_room, check_kv_memory, free_memory
+from kvmesh.workers.memory_room import cgroup_room, check_kv_memory, free_memory
 
-MIB = 1024**2
+MIB, GIB = 1024**2, 1024**3
 
 
 @contextlib.contextmanager

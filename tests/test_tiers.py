@@ -4,6 +4,7 @@ slots per worker, settings, and a random walk over a pool with both tiers."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -176,6 +177,25 @@ def test_a_slow_disk_costs_hits_not_memory(tmp_path: Path, monkeypatch: pytest.M
     settle(t)
     assert set(t.disk.files) == {h(0), h(1), h(2)}
     t.close()
+
+
+def test_a_disk_tier_it_cannot_keep_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    """A directory it cannot make, or a size more than the disk has free (with the tier's
+    own files), refuses the start naming the setting: before, an OSError naming an inner
+    path, or a tier that met a full disk later. A refused tier leaves its slot free."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=r"^disk_cache_dir: cannot keep the disk tier under "
+                       r"'.*a-file': Not a directory$"):  # fmt: skip
+        LLM("tiny-random", num_kv_blocks=8, disk_cache_dir=str(afile), progress=False)
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match=r"^disk_cache_size: \d+\.\d\d GiB is more than the "
+                       r"disk under '.*' has free \("):  # fmt: skip
+        LLM("tiny-random", num_kv_blocks=8, disk_cache_dir=str(tmp_path / "t"),
+            disk_cache_size=free + 2**30, progress=False)  # fmt: skip
+    [lock] = (tmp_path / "t").glob("*/slot-*.lock")  # the refused tier's slot: let go of
+    with lock.open() as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_tier_settings_are_checked() -> None:

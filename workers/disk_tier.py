@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import struct
 import threading
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from pathlib import Path
 import xxhash
 
 from kvmesh.workers.block_hash import BlockHash
+from kvmesh.workers.memory_size import gib
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class DiskTier:
     ) -> None:
         if len(fingerprint_id) != 16:
             raise ValueError(f"fingerprint id must be 16 characters, got {fingerprint_id!r}")
+        self.root = root
         self.base = Path(root) / fingerprint_id
         self.slot = slot
         self._lock_fd: int | None = None
@@ -66,11 +69,23 @@ class DiskTier:
         return self.base / f"slot-{self.slot}"
 
     def claim(self) -> None:
-        """Lock the first free slot of this host's workers (kept until ``release``)."""
-        self.base.mkdir(parents=True, exist_ok=True)
+        """Lock the first free slot of this host's workers (kept until ``release``); a
+        directory it cannot use is refused (ValueError naming disk_cache_dir)."""
+        try:
+            self.base.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(
+                f"disk_cache_dir: cannot keep the disk tier under {self.root!r}: {e.strerror or e}"
+            ) from None
         slots = [self.slot] if self.slot is not None else range(1024)
         for k in slots:
-            fd = os.open(self.base / f"slot-{k}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fd = os.open(self.base / f"slot-{k}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+            except OSError as e:
+                raise ValueError(
+                    f"disk_cache_dir: cannot keep the disk tier under {self.root!r}: "
+                    f"{e.strerror or e}"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -114,7 +129,21 @@ class DiskTier:
         found.sort()
         for _, block_hash in found:
             self.files[block_hash] = None
+        self._check_room()
         return [h for _, h in found], dropped
+
+    def _check_room(self) -> None:
+        """Refuses (ValueError naming disk_cache_size, the slot released) a size more than the
+        disk's free space plus the tier's own files: it fills lazily, so it would otherwise
+        meet a full disk long after the start. (Workers sharing a disk check apart.)"""
+        free = shutil.disk_usage(self.dir).free
+        if self.capacity > free + self.used_bytes:
+            self.release()
+            raise ValueError(
+                f"disk_cache_size: {gib(self.capacity)} is more than the disk under "
+                f"{self.root!r} has free ({gib(free)}, with the tier's own {gib(self.used_bytes)}"
+                "); lower it or free space"
+            )
 
     def _check_file(self, path: Path) -> BlockHash | None:
         if path.suffix != _SUFFIX:

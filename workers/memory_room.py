@@ -28,8 +28,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from kvmesh.workers.memory_size import gib
+
 logger = logging.getLogger(__name__)
-GIB = 1024**3
 # One per machine (or /tmp): workers starting together each check and allocate in turn.
 LOCK_PATH = Path(tempfile.gettempdir()) / "kvmesh-kv-memory.lock"
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -133,10 +134,7 @@ def _check(device: torch.device, parts: list[tuple[int, str]]) -> None:
     free, words = free_memory(device)
     if sum(n for n, _ in parts) > free:
         (nbytes, setting), *more = sorted(parts, reverse=True)  # the largest leads
-        asked = f"{nbytes / GIB:.2f} GiB" + "".join(
-            f" with {other}'s {n / GIB:.2f} GiB" for n, other in more
-        )
+        asked = gib(nbytes) + "".join(f" with {other}'s {gib(n)}" for n, other in more)
         raise ValueError(
-            f"{setting}: {asked} is more than {words} ({free / GIB:.2f} GiB); lower it or "
-            "free memory"
+            f"{setting}: {asked} is more than {words} ({gib(free)}); lower it or free memory"
         )

@@ -52,3 +52,8 @@ def memory_setting(name: str, value: str | int) -> int:
         return parse_memory(value)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
+
+
+def gib(nbytes: int) -> str:
+    """Bytes as people read a memory or disk size in a message: "1.50 GiB"."""
+    return f"{nbytes / 1024**3:.2f} GiB"

@@ -61,10 +61,10 @@ class TieredKvConnector(KvCacheConnector):
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._results: list[LoadResult] = []
         self._results_lock = threading.Lock()
+        tiers.start()  # first: a disk tier it refuses leaves no thread behind
         self._readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="kv-tier-read")
         self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
         self._loader.start()
-        tiers.start()
 
     def _tier_changed(self, medium: str, stored: list[BlockHash], removed: list[BlockHash]) -> None:
         if stored:
