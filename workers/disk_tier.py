@@ -71,15 +71,10 @@ class DiskTier:
     def claim(self) -> None:
         """Lock the first free slot of this host's workers (kept until ``release``); a
         directory it cannot use is refused (ValueError naming disk_cache_dir)."""
-        try:
-            self.base.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(
-                f"disk_cache_dir: cannot keep the disk tier under {self.root!r}: {e.strerror or e}"
-            ) from None
         slots = [self.slot] if self.slot is not None else range(1024)
         for k in slots:
             try:
+                self.base.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.base / f"slot-{k}.lock", os.O_CREAT | os.O_RDWR, 0o644)
             except OSError as e:
                 raise ValueError(

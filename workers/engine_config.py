@@ -1,5 +1,6 @@
-"""The engine's configuration, built once and passed down, and the checks of it that need the
-model or the machine (the context the pool holds, the host tier against the memory)."""
+"""The engine's configuration, built once and passed down, and the check of it that needs the
+model (the context: the model's, and what the pool holds). The memory the pool and the host
+tier need is checked against the machine's in memory_room.py."""
 
 from __future__ import annotations
 
