@@ -19,7 +19,7 @@ from kvmesh.workers.bad_words import with_bad_words_token_ids
 from kvmesh.workers.block_hash import ModelFingerprint, cache_namespace
 from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.detokenizer import Detokenizer
-from kvmesh.workers.engine_config import EngineConfig, context_len
+from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.grammars import Grammars
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.kv_cache_manager import KVCacheManager
@@ -27,8 +27,7 @@ from kvmesh.workers.kv_connector import KvCacheConnector, NoopKvCacheConnector, 
 from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.loader import load_weights
 from kvmesh.workers.logprobs import logprob_entries, prompt_logprob_entries
-from kvmesh.workers.memory_room import check_kv_memory, kv_memory_turn
-from kvmesh.workers.memory_size import parse_memory
+from kvmesh.workers.memory_room import allocate_kv_cache
 from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.model_setup import build_model
 from kvmesh.workers.outputs import RequestOutput, StreamDelta
@@ -96,25 +95,9 @@ class LLMEngine:
         weights_id = weights.weights_id
         del weights  # the model holds its own copy of the tensors
 
-        num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_memory(
-            mc, config.block_size, self.kv_dtype, parse_memory(config.kv_cache_memory)
+        self.kv_cache, self.max_model_len = allocate_kv_cache(
+            config, mc, self.kv_dtype, self.device
         )
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory: {config.kv_cache_memory!r} holds no block of "
-                f"{config.block_size} tokens for this model"
-            )
-        self.max_model_len = context_len(config, mc.max_position_embeddings, num_blocks)
-        with kv_memory_turn():
-            check_kv_memory(
-                self.device,
-                KVCache.nbytes_for(mc, num_blocks, config.block_size, self.kv_dtype),
-                "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory",
-                config.tier_config.host_bytes,
-            )
-            self.kv_cache = KVCache.allocate(
-                mc, num_blocks, config.block_size, self.kv_dtype, self.device
-            )
         self.fingerprint = ModelFingerprint(
             weights_id=weights_id,
             dtype=str(self.kv_dtype).removeprefix("torch."),
@@ -143,7 +126,7 @@ class LLMEngine:
                 self.kv_cache.write_block,
             )
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, connector, config.enable_prefix_caching
+            self.kv_cache.num_blocks, config.block_size, connector, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv

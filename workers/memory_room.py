@@ -1,4 +1,5 @@
-"""Whether a worker's KV memory fits where it goes, checked before it is allocated.
+"""A worker's KV cache: sized from its settings, checked, then allocated (``allocate_kv_cache``);
+and whether its memory fits where it goes, checked before it is allocated.
 
 A KV pool (and a host tier) larger than the memory free for it does not fail where it is
 set: on CPU, torch refuses only what exceeds the machine's RAM and swap, with an allocator
@@ -28,7 +29,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from kvmesh.workers.memory_size import gib
+from kvmesh.workers.engine_config import EngineConfig, context_len
+from kvmesh.workers.kv_cache import KVCache
+from kvmesh.workers.memory_size import gib, parse_memory
+from kvmesh.workers.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 # One per machine (or /tmp): workers starting together each check and allocate in turn.
@@ -138,3 +142,29 @@ def _check(device: torch.device, parts: list[tuple[int, str]]) -> None:
         raise ValueError(
             f"{setting}: {asked} is more than {words} ({gib(free)}); lower it or free memory"
         )
+
+
+def allocate_kv_cache(
+    config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype, device: torch.device
+) -> tuple[KVCache, int]:
+    """The worker's KV cache, sized from its settings and refused (ValueError naming the
+    setting) with no block, with a context it cannot hold or in memory that is not free; and
+    the context it serves."""
+    num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_memory(
+        model, config.block_size, kv_dtype, parse_memory(config.kv_cache_memory)
+    )
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory: {config.kv_cache_memory!r} holds no block of "
+            f"{config.block_size} tokens for this model"
+        )
+    max_model_len = context_len(config, model.max_position_embeddings, num_blocks)
+    with kv_memory_turn():
+        check_kv_memory(
+            device,
+            KVCache.nbytes_for(model, num_blocks, config.block_size, kv_dtype),
+            "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory",
+            config.tier_config.host_bytes,
+        )
+        cache = KVCache.allocate(model, num_blocks, config.block_size, kv_dtype, device)
+    return cache, max_model_len
