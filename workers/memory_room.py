@@ -90,7 +90,10 @@ def free_memory(device: torch.device) -> tuple[int, str]:
     """The bytes free for new memory on ``device`` and where, in words, for messages."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free, f"{device} has free"
+        # Blocks torch's caching allocator holds unused (freed while the weights loaded) are
+        # not free to the driver, but are to the pool.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, f"{device} has free"
     available = psutil.virtual_memory().available
     room = cgroup_room()
     if room is not None and room < available:
