@@ -7,7 +7,8 @@ with `threading.Event.set` in `kvmesh serve`'s handler, a second signal arriving
 first one's `set` (the same lock, not reentrant) hung the process for good, its Ray and app
 left running (3 of 20 bursts of signals here). So the handler takes no lock: it records the
 request, writes a byte to a pipe that `wait` reads (the self-pipe trick), and raises
-`Interrupted`, at most once, after `interrupt`.
+`Interrupted`, at most once, after `interrupt`. Only the first stop signal counts: the
+handler ignores the rest (nested in itself by a flood of them, it ran out of stack).
 
 The kernel may hand a signal to any thread that does not block it (Ray's C++ threads are
 many): then the Python handler waits for the main thread's next bytecode, which a main thread
@@ -48,6 +49,11 @@ class StopSignals:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, *_: object) -> None:
+        # The first stop signal is the only one that counts (after it ``interrupt`` raises at
+        # once, and the drain runs to its end), so the rest are ignored from here: a flood of
+        # them nested this handler in itself, each between two bytecodes of the last, until
+        # RecursionError escaped into the stop (an exit by SIGTERM in a CI run).
+        _ignore_stop_signals()
         self.requested = True
         with contextlib.suppress(BlockingIOError):  # a full pipe already says it
             os.write(self._write, b"\0")
@@ -67,12 +73,7 @@ class StopSignals:
         """Ignore stop signals from now on: for the end, once the teardown is over. During
         the interpreter's exit Python puts the default handlers back (but not an ignore), and
         a late signal that another thread takes (Ray's) ended a clean stop with 143."""
-        # A signal that came just before (its handler due, not yet run) finds the ignore, and
-        # Python reports it, a traceback on stderr: "OSError: Signal 1 ignored due to race
-        # condition" (once in a CI run, after a clean stop). Ignoring it is what this asks.
-        sys.unraisablehook = functools.partial(_drop_ignored_signals, sys.unraisablehook)
-        for sig in SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_stop_signals()
 
     def wait(self) -> None:
         """Return once a stop signal came: at once if one already did."""
@@ -81,6 +82,17 @@ class StopSignals:
         signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         while not self.requested:
             os.read(self._read, 1)
+
+
+def _ignore_stop_signals() -> None:
+    """Stop signals are ignored from now on. A signal that came just before (its handler due,
+    not yet run) finds the ignore, and Python reports it, a traceback on stderr: "OSError:
+    Signal 1 ignored due to race condition" (once in a CI run, after a clean stop). Ignoring
+    it is what this asks: the report is dropped."""
+    for sig in SIGNALS:  # first: each pass through here may be nested by a signal due
+        signal.signal(sig, signal.SIG_IGN)
+    if getattr(sys.unraisablehook, "func", None) is not _drop_ignored_signals:  # once
+        sys.unraisablehook = functools.partial(_drop_ignored_signals, sys.unraisablehook)
 
 
 def _drop_ignored_signals(report: Any, unraisable: Any) -> None:
