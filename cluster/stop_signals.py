@@ -96,8 +96,9 @@ def _ignore_stop_signals() -> None:
 
 
 def _drop_ignored_signals(report: Any, unraisable: Any) -> None:
-    """``sys.unraisablehook`` after ``close``: Python's report of a stop signal that came due
-    once its handler was an ignore is dropped; anything else goes on to ``report``."""
+    """``sys.unraisablehook`` once stop signals are ignored: Python's report of a stop signal
+    that came due once its handler was an ignore is dropped; anything else goes on to
+    ``report``."""
     exc = unraisable.exc_value
     if isinstance(exc, OSError) and str(exc).endswith("ignored due to race condition"):
         return
