@@ -71,24 +71,28 @@ class DiskTier:
     def claim(self) -> None:
         """Lock the first free slot of this host's workers (kept until ``release``); a
         directory it cannot use is refused (ValueError naming disk_cache_dir)."""
+        try:
+            if self._lock_first_free_slot():
+                return
+        except OSError as e:  # making the directory or a lock file; a held lock is not one
+            raise ValueError(
+                f"disk_cache_dir: cannot keep the disk tier under {self.root!r}: {e.strerror or e}"
+            ) from None
+        raise RuntimeError(f"disk tier: every slot under {self.base} is taken")
+
+    def _lock_first_free_slot(self) -> bool:
+        self.base.mkdir(parents=True, exist_ok=True)
         slots = [self.slot] if self.slot is not None else range(1024)
         for k in slots:
-            try:
-                self.base.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.base / f"slot-{k}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-            except OSError as e:
-                raise ValueError(
-                    f"disk_cache_dir: cannot keep the disk tier under {self.root!r}: "
-                    f"{e.strerror or e}"
-                ) from None
+            fd = os.open(self.base / f"slot-{k}.lock", os.O_CREAT | os.O_RDWR, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(fd)
                 continue
             self.slot, self._lock_fd = k, fd
-            return
-        raise RuntimeError(f"disk tier: every slot under {self.base} is taken")
+            return True
+        return False
 
     def release(self) -> None:
         if self._lock_fd is not None:
