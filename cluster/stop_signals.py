@@ -89,10 +89,12 @@ def _ignore_stop_signals() -> None:
     not yet run) finds the ignore, and Python reports it, a traceback on stderr: "OSError:
     Signal 1 ignored due to race condition" (once in a CI run, after a clean stop). Ignoring
     it is what this asks: the report is dropped."""
-    for sig in SIGNALS:  # first: each pass through here may be nested by a signal due
-        signal.signal(sig, signal.SIG_IGN)
+    # The hook first: a signal due while the ignores go in is reported at once (a traceback
+    # after a clean stop in a CI run, when the hook came second).
     if getattr(sys.unraisablehook, "func", None) is not _drop_ignored_signals:  # once
         sys.unraisablehook = functools.partial(_drop_ignored_signals, sys.unraisablehook)
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _drop_ignored_signals(report: Any, unraisable: Any) -> None:
