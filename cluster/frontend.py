@@ -31,20 +31,14 @@ from ray.exceptions import RayActorError
 from ray.serve import context as serve_context
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest, Unavailable
+from kvmesh.cluster.backend_tokens import TokenMethods
 from kvmesh.cluster.cluster_stats import ClusterStats
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.liveness import SILENT_PERIODS, LostWorkers, WorkerSilent, live_deltas
 from kvmesh.cluster.worker_deployment import READY_TIMEOUT_S
 from kvmesh.cluster.worker_request import WorkerRequest
-from kvmesh.workers.bad_words import bad_words_token_ids, with_bad_words_token_ids
+from kvmesh.workers.bad_words import with_bad_words_token_ids
 from kvmesh.workers.block_hash import block_hashes, cache_namespace
-from kvmesh.workers.chat import (
-    chat_prompt_ids,
-    decode,
-    prompt_token_ids,
-    token_bytes,
-    token_texts,
-)
 from kvmesh.workers.outputs import StreamDelta
 from kvmesh.workers.tokenizer_loader import load_tokenizer
 
@@ -76,7 +70,7 @@ def _current_actor() -> Any:
         return None
 
 
-class ClusterBackend:
+class ClusterBackend(TokenMethods):
     """``handles`` maps each role ("worker", or "prefill" and "decode") to its deployment."""
 
     def __init__(self, config: ServeConfig, handles: dict[str, Any]) -> None:
@@ -123,34 +117,6 @@ class ClusterBackend:
         self._ended = True
         for call in list(self._running):
             call.cancel()  # the worker aborts it, as when a client leaves
-
-    # -- tokens -------------------------------------------------------------------------------
-
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
-
-    def tokenize_chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, **template)
-
-    def token_texts(self, ids: Sequence[int]) -> list[str]:
-        return token_texts(self.tokenizer, ids)
-
-    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
-        return token_bytes(self.tokenizer, ids)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return decode(self.tokenizer, ids, skip_special_tokens)
-
-    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        return bad_words_token_ids(self.tokenizer, words, self.vocab_size)
-
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        if request.prompt_ids is not None:  # tokenized once, by the HTTP layer
-            return list(request.prompt_ids)
-        if request.messages is not None:
-            return self.tokenize_chat(request.messages)
-        assert request.prompt is not None
-        return self.tokenize(request.prompt)
 
     def _worker_request(
         self,

@@ -14,19 +14,12 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from kvmesh.cluster.backend import Chunk, Completion, GenerateRequest
+from kvmesh.cluster.backend_tokens import TokenMethods
 from kvmesh.cluster.metrics import tier_totals
-from kvmesh.workers.bad_words import bad_words_token_ids
-from kvmesh.workers.chat import (
-    chat_prompt_ids,
-    decode,
-    prompt_token_ids,
-    token_bytes,
-    token_texts,
-)
 from kvmesh.workers.engine_config import EngineConfig
 from kvmesh.workers.outputs import StreamDelta
 from kvmesh.workers.worker import Worker
@@ -35,7 +28,7 @@ logger = logging.getLogger(__name__)
 _DONE = object()  # the pump's last item when the stream ended without an exception
 
 
-class LocalBackend:
+class LocalBackend(TokenMethods):
     """One engine in this process. ``LocalBackend(EngineConfig(...))`` or, like ``LLM``,
     ``LocalBackend(model="tiny-random", block_size=4, num_kv_blocks=128)``.
 
@@ -60,25 +53,6 @@ class LocalBackend:
         self.vocab_size = self.worker.engine.model_config.vocab_size
 
     # -- tokens -------------------------------------------------------------------------------
-
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """The ids the engine will see for ``prompt`` (what ``make_request`` computes)."""
-        return prompt_token_ids(self.tokenizer, prompt, self.vocab_size)
-
-    def tokenize_chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, **template)
-
-    def token_texts(self, ids: Sequence[int]) -> list[str]:
-        return token_texts(self.tokenizer, ids)
-
-    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
-        return token_bytes(self.tokenizer, ids)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return decode(self.tokenizer, ids, skip_special_tokens)
-
-    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        return bad_words_token_ids(self.tokenizer, words, self.vocab_size)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -130,14 +104,7 @@ class LocalBackend:
                 loop.call_soon_threadsafe(items.put_nowait, item)
 
         try:
-            prompt: str | list[int]
-            if request.prompt_ids is not None:  # tokenized once, by the HTTP layer
-                prompt = list(request.prompt_ids)
-            elif request.messages is not None:
-                prompt = self.tokenize_chat(request.messages)
-            else:
-                assert request.prompt is not None
-                prompt = request.prompt
+            prompt = self.prompt_ids(request)
             # closing() ends Worker.stream on break, whose finally aborts the request.
             with contextlib.closing(self.worker.stream(prompt, request.params)) as deltas:
                 for delta in deltas:
