@@ -1,6 +1,6 @@
-"""ASGI middleware of the HTTP API: the body limit (413), request counting, and a lost Serve
-proxy read as the client's leaving. Pure ASGI, not ``BaseHTTPMiddleware``, so streams and
-the disconnect that cancels a request pass through untouched. (Admission lives in
+"""ASGI middleware of the HTTP API: the body's limit (413) and coding (415), request counting,
+and a lost Serve proxy read as the client's leaving. Pure ASGI, not ``BaseHTTPMiddleware``, so
+streams and the disconnect that cancels a request pass through untouched. (Admission lives in
 ``admission.py``.)"""
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ class ClientSide:
 
 class LimitBody:
     """Refuse a request body over ``max_bytes`` with a 413, from its Content-Length before
-    reading anything, or as soon as a chunked body passes the limit. What it admits it has
-    read whole, and hands on as one message; later ``receive`` calls (the disconnect that
-    cancels a request) go to the server as before."""
+    reading anything, or as soon as a chunked body passes the limit; and one in a content
+    coding (``Content-Encoding: gzip``) with a 415, before reading it, rather than a 400 that
+    calls compressed JSON invalid. What it admits it has read whole, and hands on as one
+    message; later ``receive`` calls (the disconnect that cancels a request) go to the server
+    as before."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -47,6 +49,10 @@ class LimitBody:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        coding = _header(scope, b"content-encoding")
+        if coding is not None and coding.strip().lower() not in (b"", b"identity"):
+            await self._refuse_coding(coding, scope, receive, send)
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
@@ -84,15 +90,35 @@ class LimitBody:
         )
         await JSONResponse(body, status_code=413)(scope, receive, send)
 
+    @staticmethod
+    async def _refuse_coding(coding: bytes, scope: dict, receive: Callable, send: Callable) -> None:
+        name = coding.decode("latin-1").strip()
+        shown = repr(name if len(name) <= 32 else name[:32] + "...")
+        body = error_body(
+            f"request body: Content-Encoding {shown} is not supported; send it uncompressed",
+            code="unsupported_content_encoding",
+        )
+        # RFC 9110, 15.5.16: a 415 for a content coding names the codings accepted.
+        headers = {"Accept-Encoding": "identity"}
+        await JSONResponse(body, status_code=415, headers=headers)(scope, receive, send)
+
+
+def _header(scope: dict, wanted: bytes) -> bytes | None:
+    """The first value of a request header (ASGI gives names lowercased)."""
+    for name, value in scope.get("headers", ()):
+        if name == wanted:
+            return value
+    return None
+
 
 def _content_length(scope: dict) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the server refuses such a request before it reaches us
-    return None
+    value = _header(scope, b"content-length")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None  # the server refuses such a request before it reaches us
 
 
 class CountRequests:

@@ -15,7 +15,8 @@ With an ``Admission``, the generation routes admit a bounded number of sequences
 and refuse the rest at once with a 429 and ``Retry-After`` (``admission.py``).
 
 The event loop stays free for other requests: a body over ``max_request_bytes`` is refused
-(413) from its Content-Length or as soon as that many bytes came in, and parsing JSON,
+(413) from its Content-Length or as soon as that many bytes came in (a compressed body, 415,
+before it is read), and parsing JSON,
 applying the chat template and tokenizing run in worker threads. Errors never carry internal
 details (``http_errors.py``).
 """
@@ -113,7 +114,7 @@ def build_api(
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     gen = Generation(backend, metrics)
     started = int(time.time())
-    statuses = [400, *([401] if api_key else []), 404, 413]
+    statuses = [400, *([401] if api_key else []), 404, 413, 415]
     statuses += [*([OVERLOADED_STATUS] if admission is not None else []), 500, 503]
     errors = error_responses(*statuses)
 
@@ -196,6 +197,6 @@ def build_api(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(v1)
-    tokenize_errors = error_responses(400, *(401,) if api_key else (), 404, 413, 500)
+    tokenize_errors = error_responses(400, *(401,) if api_key else (), 404, 413, 415, 500)
     add_tokenize_routes(app, backend, model_name, [Depends(check_key)], tokenize_errors)
     return app

@@ -70,6 +70,7 @@ _ERRORS = {
     401: "Missing or wrong API key.",
     404: "Unknown model.",
     413: "Request body over max_request_bytes.",
+    415: "Request body in a content coding (e.g. gzip): send it uncompressed.",
     OVERLOADED_STATUS: "Overloaded: this server admits no more requests now (type "
     "`overloaded_error`, code `overloaded`); retry after the `Retry-After` header's seconds.",
     500: "Internal error; the detail is in the server's log.",

@@ -7,6 +7,8 @@ conftest.py); the schema itself is fuzzed in test_api_schema.py."""
 from __future__ import annotations
 
 import contextlib
+import gzip
+import http.client
 import json
 import socket
 import threading
@@ -199,6 +201,35 @@ def test_the_body_limit_is_exact(backend: LocalBackend) -> None:
         status, got = call(port, "POST", COMPLETIONS, padded + b" ")
         assert status == 413 and got["error"]["code"] == "request_too_large", got
         ErrorResponse.model_validate(got)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "deflate, gzip", "x" * 300])
+def test_a_compressed_body_is_a_415_naming_the_coding(server: tuple[int, Spy], coding: str) -> None:
+    """Compressed JSON is refused as compressed (415, Accept-Encoding: identity), not as
+    invalid JSON (400); a long header value is not echoed whole."""
+    body = gzip.compress(json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 1}).encode())
+    conn = http.client.HTTPConnection("127.0.0.1", server[0], timeout=30)
+    conn.request(
+        "POST",
+        COMPLETIONS,
+        body,
+        {"Content-Type": "application/json", "Content-Encoding": coding},
+    )
+    r = conn.getresponse()
+    got = json.loads(r.read())
+    conn.close()
+    assert r.status == 415, got
+    assert r.getheader("Accept-Encoding") == "identity"
+    assert got["error"]["code"] == "unsupported_content_encoding", got
+    assert coding[:32] in got["error"]["message"] and len(got["error"]["message"]) < 200
+    ErrorResponse.model_validate(got)
+
+
+@pytest.mark.parametrize("coding", ["identity", "Identity", ""])
+def test_an_identity_coding_is_served(server: tuple[int, Spy], coding: str) -> None:
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
+    status, got = call(server[0], "POST", COMPLETIONS, body, **{"Content-Encoding": coding})
+    assert status == 200, got
 
 
 def read_response(sock: socket.socket, timeout: float) -> tuple[int, dict[str, Any]]:

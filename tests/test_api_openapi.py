@@ -41,7 +41,8 @@ def test_openapi_declares_the_models_and_docs_serve_it(server: tuple[int, Spy]) 
         fields = set(components[request]["properties"])
         assert {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"} <= fields
         responses = op["responses"]
-        assert {"200", "400", "404", "413", "500"} <= set(responses) and "422" not in responses
+        assert {"200", "400", "404", "413", "415", "500"} <= set(responses)
+        assert "422" not in responses
         ok = responses["200"]["content"]
         assert ok["application/json"]["schema"] == {"$ref": f"#/components/schemas/{response}"}
         assert "text/event-stream" in ok
