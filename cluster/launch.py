@@ -222,8 +222,9 @@ def _port_in_use(config: ServeConfig) -> DeployFailed:
 
 def check_port_free(config: ServeConfig) -> None:
     """Bind the HTTP address as Serve's proxy (uvicorn, with SO_REUSEADDR) would, and let it
-    go, before starting a local Ray (whose Serve proxy binds on this machine): a port in use
-    fails in a moment instead of after Ray's and Serve's starts."""
+    go, before starting a local Ray (whose Serve proxy binds on this machine): a port in use,
+    or a host that is no address of this machine, fails in a moment instead of after Ray's
+    and Serve's starts."""
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -232,7 +233,16 @@ def check_port_free(config: ServeConfig) -> None:
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise _port_in_use(config) from None
-            # Anything else (an address not on this machine, say) is Serve's to report.
+            # Else the host is no address of this machine (or the port needs privileges):
+            # Serve's proxy would fail the same way after Ray's start, and say "bind" only.
+            hint = "pass an address of this machine (0.0.0.0: all of them)"
+            field = "host"
+            if e.errno == errno.EACCES:
+                field, hint = "port", "pass a port from 1024 up, or run with the privilege"
+            raise DeployFailed(
+                f"{field}: cannot listen on {config.host}:{config.port} here "
+                f"({e.strerror or e}); {hint}"
+            ) from None
 
 
 def stop_serving(started_serve: bool, owner: str) -> None:
@@ -348,7 +358,11 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
             deploy(config, owner)
         except RuntimeError as e:
             if "Failed to bind to address" in str(e):  # Serve's proxy, in a RayTaskError
-                raise _port_in_use(config) from None
+                raise DeployFailed(
+                    f"port: Serve's HTTP proxy could not listen on {config.host}:{config.port} "
+                    "(the port is in use, or the host is no address of the proxy's node); "
+                    "pass another --port or --host"
+                ) from None
             if "Deploying application" not in str(e):
                 raise
             raise DeployFailed(_deploy_failure(APP_NAME)) from None

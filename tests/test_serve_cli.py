@@ -308,22 +308,40 @@ def test_only_a_refused_setting_stops_the_start_at_once() -> None:
     assert refused_start(_app("Deploying: 0 of 1 replicas running")) is None
 
 
-def test_a_port_in_use_is_named_without_a_traceback() -> None:
-    """The port is taken: one line says so (before: a traceback of ``ProxyActor.ready`` with
-    its pid and actor id), before the command starts a Ray of its own (before: after Ray's
-    and Serve's starts, some 15 s, only for Serve's proxy to fail)."""
-    with socket.socket() as taken, tempfile.TemporaryDirectory(prefix="rt", dir="/tmp") as tmp:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+def refused_before_ray(port: int, *flags: str) -> str:
+    """Run ``kvmesh serve`` on a local Ray, expecting a refusal before that Ray starts (no
+    Ray session, exit 1, no traceback); its last line."""
+    with tempfile.TemporaryDirectory(prefix="rt", dir="/tmp") as tmp:
         out = subprocess.run(
-            serve_cmd(port, "--address", "local"), env={**ENV, "RAY_TMPDIR": tmp},
+            serve_cmd(port, "--address", "local", *flags), env={**ENV, "RAY_TMPDIR": tmp},
             capture_output=True, text=True, timeout=180,
         )  # fmt: skip
         sessions = list(Path(tmp).glob("ray/session_*"))
     assert not sessions, sessions
     assert out.returncode == 1, out.stdout[-2000:]
-    last = out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr and "actor_id" not in out.stderr, out.stderr[-2000:]
+    return out.stderr.strip().splitlines()[-1]
+
+
+def test_a_host_not_of_this_machine_is_named_as_the_host() -> None:
+    """An address this machine does not have (198.18.0.0/15, never routed; binding sends
+    nothing): one line names the host, before any Ray starts (before: "port: ... is in use",
+    after Ray's and Serve's starts)."""
+    port = free_port()
+    last = refused_before_ray(port, "--host", "198.18.0.1")
+    assert last == f"kvmesh: error: host: cannot listen on 198.18.0.1:{port} here (Cannot " \
+        "assign requested address); pass an address of this machine (0.0.0.0: all of them)", \
+        last  # fmt: skip
+
+
+def test_a_port_in_use_is_named_without_a_traceback() -> None:
+    """The port is taken: one line says so (before: a traceback of ``ProxyActor.ready`` with
+    its pid and actor id), before the command starts a Ray of its own (before: after Ray's
+    and Serve's starts, some 15 s, only for Serve's proxy to fail)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        last = refused_before_ray(port)
     assert last == f"kvmesh: error: port: 127.0.0.1:{port} is in use (Serve's HTTP proxy " \
         "could not bind it); pass another --port", last  # fmt: skip
-    assert "Traceback" not in out.stderr and "actor_id" not in out.stderr
