@@ -7,6 +7,7 @@ settings that contradict each other are refused with a message that names them.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -308,9 +309,15 @@ def with_env_api_key(settings: dict[str, Any]) -> dict[str, Any]:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
+        text = Path(path).read_bytes().decode("utf-8")  # whole: a decode error's offset is exact
+        # A named stream, not the text: YAML's error marks name the file, not "<unicode string>".
+        stream = io.StringIO(text)
+        stream.name = str(path)
+        data = yaml.load(stream, Loader=_UniqueKeyLoader)  # a SafeLoader
     except OSError as e:
         raise ValueError(f"config: cannot read {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from e
     except yaml.YAMLError as e:
         raise ValueError(f"config: {path} is not valid YAML: {e}") from e
     if data is None:

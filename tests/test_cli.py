@@ -45,3 +45,19 @@ def test_a_setting_named_twice_in_the_yaml_is_refused(tmp_path) -> None:
         out = kvmesh("serve", "--config", str(config), "--address", "127.0.0.1:1")
         assert out.returncode == 2 and name in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_a_settings_file_that_is_not_yaml_text_is_named(tmp_path) -> None:
+    """Bytes that are not UTF-8 and text that is not YAML: one line naming the file (and the
+    byte, or the line), before anything starts."""
+    for data, said in (
+        (b"model: tiny-random\n# " + b"x" * 20000 + b"\nworkers: \xff\n", "byte 20031"),
+        (b"model: [tiny\n", 'in "{path}", line 1, column 8'),
+    ):
+        config = tmp_path / "serve.yaml"
+        config.write_bytes(data)
+        out = kvmesh("serve", "--config", str(config), "--address", "127.0.0.1:1")
+        assert out.returncode == 2, out.stderr
+        assert f"kvmesh: error: config: {config} is not" in out.stderr, out.stderr
+        assert said.format(path=config) in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "<unicode string>" not in out.stderr
