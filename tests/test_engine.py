@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -260,6 +261,9 @@ def test_bad_input_names_the_field(llm: LLM, prompt, params, field: str) -> None
         (5, None, "prompts"),
         (["hi"], {"max_tokens": 2}, "params"),  # a dict, not SamplingParams
         (["hi"], [None], "params"),
+        ([None], None, "prompt"),  # before: TypeError, 'NoneType' object is not iterable
+        ([{"text": "hi"}], None, "prompt"),
+        ([3.5], None, "prompt"),
     ],
 )
 def test_arguments_of_the_wrong_type_name_the_argument(llm: LLM, prompts, params, field) -> None:
@@ -277,6 +281,23 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm: LLM) -> None:
 def test_unknown_model_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
         LLM("no-such-model")
+
+
+@pytest.mark.parametrize(
+    ("device", "said"),
+    [
+        ("banana", "device: 'banana' is not a device; use cpu, cuda or cuda:N"),
+        ("mps", "device: kvmesh runs on cpu or cuda, got 'mps'"),
+        ("cuda:7", "device: 'cuda:7', but "),
+    ],
+)
+def test_a_device_this_process_cannot_use_is_named(device: str, said: str) -> None:
+    """Before the weights load: before, torch's AssertionError ("Torch not compiled with CUDA
+    enabled") from inside the model's ``.to``, or its RuntimeError listing 20 device types."""
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(ValueError, match=re.escape(said)):
+        make_llm(device=device)
 
 
 def test_request_that_can_never_fit_the_pool(llm: LLM) -> None:

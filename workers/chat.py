@@ -200,6 +200,10 @@ def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: in
             raise ValueError("prompt: must not be empty")
         ids = list(tokenizer.encode(prompt))
     else:
+        if not isinstance(prompt, Sequence):  # also not a dict or a set: no order, not ids
+            raise ValueError(
+                f"prompt: must be text or a list of token ids, got {type(prompt).__name__}"
+            )
         ids = list(prompt)
         if not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids

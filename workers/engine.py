@@ -19,7 +19,7 @@ from kvmesh.workers.bad_words import with_bad_words_token_ids
 from kvmesh.workers.block_hash import ModelFingerprint, cache_namespace
 from kvmesh.workers.chat import prompt_token_ids
 from kvmesh.workers.detokenizer import Detokenizer
-from kvmesh.workers.engine_config import EngineConfig
+from kvmesh.workers.engine_config import EngineConfig, usable_device
 from kvmesh.workers.grammars import Grammars
 from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.kv_cache_manager import KVCacheManager
@@ -83,7 +83,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.worker_id = worker_id
-        self.device = torch.device(config.resolved_device)
+        self.device = usable_device(config.resolved_device)
         self.dtype = config.resolved_dtype
         weights = load_weights(config.model, progress=config.progress)
         self.model_config = mc = weights.config

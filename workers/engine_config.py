@@ -149,3 +149,27 @@ def context_len(config: EngineConfig, model_len: int, num_blocks: int) -> int:
         pool_tokens,
     )
     return pool_tokens
+
+
+def usable_device(name: str) -> torch.device:
+    """``name`` (``EngineConfig.resolved_device``) as a device this process can run on;
+    ValueError naming ``device`` when it cannot, rather than torch's assertion deep in the
+    model's load (a CUDA device asked of a torch without CUDA) or its list of every device
+    type it knows."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device: kvmesh runs on cpu or cuda, got {name!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        why = "no CUDA device is visible" if torch.version.cuda else "this torch has no CUDA"
+        raise ValueError(f"device: {name!r}, but {why}; use cpu")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device: {name!r}, but this process sees {count} CUDA device(s)")
+    return device
