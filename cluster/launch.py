@@ -21,6 +21,7 @@ from typing import Any
 from kvmesh.cluster.config import ServeConfig
 from kvmesh.cluster.stop_signals import Interrupted, StopSignals
 from kvmesh.cluster.tls import check_tls_files
+from kvmesh.workers.tokenizer_loader import model_source
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,10 @@ def connect_ray(config: ServeConfig, address: str = "auto") -> bool:
     workers = config.num_unified_workers + config.prefill_workers + config.decode_workers
     # Logical CPUs: every worker gets its share even on a small machine.
     cpus = max(os.cpu_count() or 1, int(workers * config.num_cpus_per_worker) + 1)
-    # Serve's proxy will bind on this machine: a port in use fails now, not after Serve's start.
+    # The workers and Serve's proxy will run on this machine: a model that is not here, or a
+    # port in use, fails now, not after Ray's and Serve's starts (on a cluster joined, the
+    # model's path is the nodes' business).
+    model_source(config.model)
     check_port_free(config)
     # address="local": a stale RAY_ADDRESS or /tmp/ray/ray_current_cluster is not joined.
     with _own_process_group():

@@ -308,9 +308,9 @@ def test_only_a_refused_setting_stops_the_start_at_once() -> None:
     assert refused_start(_app("Deploying: 0 of 1 replicas running")) is None
 
 
-def refused_before_ray(port: int, *flags: str) -> str:
+def refused_before_ray(port: int, *flags: str, code: int = 1) -> str:
     """Run ``kvmesh serve`` on a local Ray, expecting a refusal before that Ray starts (no
-    Ray session, exit 1, no traceback); its last line."""
+    Ray session, exit ``code``, no traceback); its last line."""
     with tempfile.TemporaryDirectory(prefix="rt", dir="/tmp") as tmp:
         out = subprocess.run(
             serve_cmd(port, "--address", "local", *flags), env={**ENV, "RAY_TMPDIR": tmp},
@@ -318,9 +318,20 @@ def refused_before_ray(port: int, *flags: str) -> str:
         )  # fmt: skip
         sessions = list(Path(tmp).glob("ray/session_*"))
     assert not sessions, sessions
-    assert out.returncode == 1, out.stdout[-2000:]
+    assert out.returncode == code, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "actor_id" not in out.stderr, out.stderr[-2000:]
     return out.stderr.strip().splitlines()[-1]
+
+
+def test_a_model_not_on_this_machine_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    """A local Ray's workers load the model here: a missing file or an unknown name is one
+    line (exit 2, bad input) before any Ray starts (before: after Ray's and Serve's starts,
+    from the ingress replica, some 8 s)."""
+    missing = tmp_path / "missing.gguf"
+    last = refused_before_ray(free_port(), "--model", str(missing), code=2)
+    assert last == f"kvmesh: error: GGUF file {missing} does not exist", last
+    last = refused_before_ray(free_port(), "--model", "no-such-model", code=2)
+    assert last.startswith("kvmesh: error: unknown model 'no-such-model': use one of"), last
 
 
 def test_a_host_not_of_this_machine_is_named_as_the_host() -> None:

