@@ -4,8 +4,8 @@ Two worker actors (real Ray, the chosen transport). Worker A computes a prompt w
 N tokens are the prefix (compute TTFT); worker B then gets the same prompt and pulls the
 prefix's blocks from A (pull TTFT), then gets it twice more as a local hit: right away (its
 KV warm in cache) and after the CPU caches were flushed (its KV from memory, as after the
-pull). A plain torch memcpy of the same bytes runs in this
-process for scale. Prints one JSON line.
+pull). A plain torch memcpy of the same bytes runs in this process for scale. Prints one
+JSON line.
 
     .venv/bin/python bench/pull_vs_recompute.py --model smollm2-135m --prefix-tokens 2048
 """

@@ -52,8 +52,6 @@ class LocalBackend(TokenMethods):
         self.tokenizer = self.worker.engine.tokenizer
         self.vocab_size = self.worker.engine.model_config.vocab_size
 
-    # -- tokens -------------------------------------------------------------------------------
-
     # -- requests -----------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> Completion:

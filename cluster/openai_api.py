@@ -15,10 +15,9 @@ With an ``Admission``, the generation routes admit a bounded number of sequences
 and refuse the rest at once with a 429 and ``Retry-After`` (``admission.py``).
 
 The event loop stays free for other requests: a body over ``max_request_bytes`` is refused
-(413) from its Content-Length or as soon as that many bytes came in (a compressed body, 415,
-before it is read), and parsing JSON,
-applying the chat template and tokenizing run in worker threads. Errors never carry internal
-details (``http_errors.py``).
+(413) from its Content-Length or as soon as that many bytes came in, a compressed one (415)
+before it is read, and parsing JSON, applying the chat template and tokenizing run in worker
+threads. Errors never carry internal details (``http_errors.py``).
 """
 
 from __future__ import annotations
