@@ -71,18 +71,18 @@ def test_a_pool_over_the_containers_limit_is_refused_naming_it() -> None:
                            "memory limit (its container or cgroup) leaves ("), last  # fmt: skip
 
 
-def test_workers_starting_together_take_turns() -> None:
-    """Two workers start at once in a cgroup with room for one pool: one starts and the other
-    is refused, naming the setting. Before the turns, both saw room for their pool, both
-    zero-filled it, and the kernel killed one (SIGKILL)."""
+def start_two_together(limit: int, settings: str) -> str:
+    """Two ``LLM(model='tiny-random', <settings>)`` processes started at once in a memory
+    cgroup limited to ``limit``: one must start and the other be refused; the refused one's
+    last line."""
     code = (
         "import time\n"
         "from kvmesh import LLM\n"
-        "LLM(model='tiny-random', kv_cache_memory='600MiB', progress=False)\n"
+        f"LLM(model='tiny-random', progress=False, {settings})\n"
         "print('started', flush=True)\n"
         "time.sleep(60)\n"
     )
-    with memory_cgroup(1536 * MIB) as cgroup:
+    with memory_cgroup(limit) as cgroup:
         cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$0" -c "$1"',
                sys.executable, code]  # fmt: skip
         procs = [subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True) for _ in range(2)]
@@ -95,9 +95,25 @@ def test_workers_starting_together_take_turns() -> None:
     assert sorted(lines) == ["", "started\n"], (lines, [p.returncode for p in procs], errs)
     refused = lines.index("")
     assert procs[refused].returncode == 1, (procs[refused].returncode, errs[refused][-2000:])
-    last = errs[refused].strip().splitlines()[-1]
+    return errs[refused].strip().splitlines()[-1]
+
+
+def test_workers_starting_together_take_turns() -> None:
+    """Two workers start at once in a cgroup with room for one pool: one starts and the other
+    is refused, naming the setting. Before the turns, both saw room for their pool, both
+    zero-filled it, and the kernel killed one (SIGKILL)."""
+    last = start_two_together(1536 * MIB, "kv_cache_memory='600MiB'")
     assert last.startswith("ValueError: kv_cache_memory: 0.59 GiB is more than this process's "
                            "memory limit"), last  # fmt: skip
+
+
+def test_host_tiers_starting_together_take_turns() -> None:
+    """The same with host tiers: each worker's tier fits alone, not both. Before the tier's
+    slab was allocated at start, both passed the check (the first one's tier still empty)
+    and both started, to meet the limit once their tiers filled."""
+    last = start_two_together(1536 * MIB, "kv_cache_memory='16MiB', host_cache_memory='600MiB'")
+    assert last.startswith("ValueError: host_cache_memory: 0.59 GiB with kv_cache_memory's "
+                           "0.02 GiB is more than this process's memory limit"), last  # fmt: skip
 
 
 def test_a_pool_and_host_tier_over_the_machines_memory_are_refused() -> None:

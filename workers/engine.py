@@ -95,7 +95,7 @@ class LLMEngine:
         weights_id = weights.weights_id
         del weights  # the model holds its own copy of the tensors
 
-        self.kv_cache, self.max_model_len = allocate_kv_cache(
+        self.kv_cache, host_memory, self.max_model_len = allocate_kv_cache(
             config, mc, self.kv_dtype, self.device
         )
         self.fingerprint = ModelFingerprint(
@@ -121,7 +121,12 @@ class LLMEngine:
         if tiers.enabled:  # the local tiers sit in front of any other connector
             connector = TieredKvConnector(
                 connector or NoopKvCacheConnector(),
-                KvTiers(tiers, self.fingerprint.id, self.kv_cache.block_bytes_all_layers),
+                KvTiers(
+                    tiers,
+                    self.fingerprint.id,
+                    self.kv_cache.block_bytes_all_layers,
+                    host_memory=host_memory,
+                ),
                 self.kv_cache.read_block,
                 self.kv_cache.write_block,
             )

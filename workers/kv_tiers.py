@@ -1,10 +1,13 @@
 """Tiers below the device pool: host memory, then local disk, for the blocks the pool evicts.
 
 A block the pool is about to reuse is first copied out (``demote``) into the host tier, a
-bounded LRU of block bytes. The host tier's least recently used blocks move down to the disk
-tier: a bounded LRU of files in ``<disk_dir>/<fingerprint id>/slot-<k>/``, written by a thread of
-its own (a step never waits on a disk). Until its file is written a block stays readable from
-memory and counts as a host block. Reads (``read``) come from either tier; a tier hit is
+bounded LRU of blocks in one slab of host memory allocated at start (``memory_room``
+allocates it with the pool, so its pages are taken when the worker starts, as vLLM's and
+LMCache's CPU buffers are; pinned on a GPU worker). The host tier's least recently used
+blocks move down to the disk tier: a bounded LRU of files in
+``<disk_dir>/<fingerprint id>/slot-<k>/``, written by a thread of its own (a step never waits
+on a disk). Until its file is written a block stays readable from memory and counts as a
+host block. Reads (``read``) come from either tier; a tier hit is
 promoted into fresh pool blocks by the connector (``workers/tiered_connector.py``) and keeps
 its tier copy, so evicting it again costs no copy.
 
@@ -25,6 +28,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier, remove_file
@@ -66,6 +72,11 @@ class TierConfig:
 DEFAULT_DISK_CACHE_SIZE = "4GiB"  # per worker, when disk_cache_dir comes without a size
 
 
+def host_slots(host_bytes: int, block_nbytes: int) -> int:
+    """Blocks the host tier holds: whole blocks of its budget."""
+    return host_bytes // block_nbytes
+
+
 def check_disk_cache_size(size: object, disk_dir: object) -> None:
     """A disk tier's size without its directory would be ignored: a ValueError instead (a
     size of 0, the tier off, is no contradiction)."""
@@ -85,13 +96,22 @@ class KvTiers:
         fingerprint_id: str,
         block_nbytes: int,
         listener: TierListener | None = None,
+        host_memory: Any = None,
     ) -> None:
+        """``host_memory``: the host tier's slab (a uint8 CPU tensor or array of
+        ``host_slots(config.host_bytes, block_nbytes)`` blocks); None: one of its own."""
         self.config = config
         self.block_nbytes = block_nbytes
         self.listener = listener
         self._lock = threading.Lock()
-        self.host: OrderedDict[BlockHash, bytes] = OrderedDict()  # LRU, oldest first
-        self.host_capacity = config.host_bytes // block_nbytes  # in blocks
+        self.host: OrderedDict[BlockHash, int] = OrderedDict()  # LRU, oldest first -> slot
+        self.host_capacity = host_slots(config.host_bytes, block_nbytes)  # in blocks
+        if host_memory is None:
+            host_memory = np.zeros(self.host_capacity * block_nbytes, dtype=np.uint8)
+        self._slab = np.asarray(host_memory).reshape(-1)  # a tensor's own memory, not a copy
+        if self._slab.nbytes != self.host_capacity * block_nbytes:
+            raise ValueError("host_memory: not the host tier's size")
+        self._free_slots = list(range(self.host_capacity - 1, -1, -1))
         # Blocks on their way to disk: still readable, and still host blocks to the index.
         self.writing: dict[BlockHash, bytes] = {}
         self.stats = dict.fromkeys(
@@ -161,10 +181,14 @@ class KvTiers:
             return self._in_memory(block_hash)
 
     def _in_memory(self, block_hash: BlockHash) -> bytes | None:
-        payload = self.host.get(block_hash) or self.writing.get(block_hash)
-        if payload is not None and block_hash in self.host:
-            self.host.move_to_end(block_hash)
-        return payload
+        slot = self.host.get(block_hash)
+        if slot is None:
+            return self.writing.get(block_hash)
+        self.host.move_to_end(block_hash)
+        return self._slot(slot).tobytes()
+
+    def _slot(self, slot: int) -> np.ndarray:
+        return self._slab[slot * self.block_nbytes : (slot + 1) * self.block_nbytes]
 
     def read(self, block_hash: BlockHash) -> bytes | None:
         """The block's bytes from memory or disk (a torn file is deleted: None)."""
@@ -198,6 +222,7 @@ class KvTiers:
         oldest blocks down to disk. Blocks already on disk and not in memory are copied into
         memory again only when the host tier is on."""
         stored: list[BlockHash] = []
+        victims: list[BlockHash] = []
         with self._lock:
             for h, block_id in zip(hashes, ids, strict=True):
                 if h in self.host:
@@ -207,7 +232,11 @@ class KvTiers:
                     continue
                 on_disk = self.disk is not None and h in self.disk.files
                 if self.host_capacity:
-                    self.host[h] = read(block_id)
+                    if not self._free_slots:  # full: its oldest block moves down (or out)
+                        victims += self._evict_oldest()
+                    slot = self._free_slots.pop()
+                    self._slot(slot)[:] = np.frombuffer(read(block_id), dtype=np.uint8)
+                    self.host[h] = slot
                     stored.append(h)
                 elif not on_disk and self.disk is not None:
                     if not self._queue_write(h, read(block_id)):
@@ -216,17 +245,23 @@ class KvTiers:
                 else:
                     continue
                 self.stats["demoted_blocks"] += 1
-            victims = []
-            while len(self.host) > self.host_capacity:
-                h, payload = self.host.popitem(last=False)
-                self.stats["host_evicted_blocks"] += 1
-                on_disk = self.disk is not None and h in self.disk.files
-                if not on_disk and self.disk is not None and self._queue_write(h, payload):
-                    continue  # still a host block until written
-                victims.append(h)
             stored = [h for h in stored if h in self.host or h in self.writing]
+            victims = [h for h in victims if h not in stored]
             if stored or victims:
                 self._notify("host", stored, victims)
+
+    def _evict_oldest(self) -> list[BlockHash]:
+        """Free the host tier's least recently used slot (the lock is held): its block is
+        queued for the disk, and stays a host block until written, or leaves the tiers (then
+        returned, for the listener)."""
+        h, slot = self.host.popitem(last=False)
+        payload = self._slot(slot).tobytes()
+        self._free_slots.append(slot)
+        self.stats["host_evicted_blocks"] += 1
+        on_disk = self.disk is not None and h in self.disk.files
+        if not on_disk and self.disk is not None and self._queue_write(h, payload):
+            return []
+        return [h]
 
     def _queue_write(self, block_hash: BlockHash, payload: bytes) -> bool:
         """Queue a disk write (the lock is held); False when the queue is full (dropped)."""

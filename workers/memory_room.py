@@ -31,6 +31,7 @@ import torch
 
 from kvmesh.workers.engine_config import EngineConfig, context_len
 from kvmesh.workers.kv_cache import KVCache
+from kvmesh.workers.kv_tiers import host_slots
 from kvmesh.workers.memory_size import gib, parse_memory
 from kvmesh.workers.model_config import ModelConfig
 
@@ -106,8 +107,7 @@ def kv_memory_turn(path: Path = LOCK_PATH) -> Iterator[None]:
     """This machine's workers check free memory and allocate their pools one at a time:
     workers that start together (``--workers 2`` on one node) would otherwise each see the
     memory the other is about to take, both pass, and one be killed later. The pool is
-    zero-filled, so its pages are taken when the turn ends. (A host tier fills lazily: two
-    that each fit alone may still not fit together.)"""
+    zero-filled, and so is the host tier's slab: their pages are taken when the turn ends."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError as e:  # another user's lock file: go on without turns
@@ -125,9 +125,7 @@ def check_kv_memory(
     device: torch.device, pool_bytes: int, pool_setting: str, host_tier_bytes: int
 ) -> None:
     """Refuses (ValueError, naming the settings) a pool, with the host tier on CPU, larger than
-    the memory free where it goes; a GPU worker's host tier is checked against the host. The
-    host tier fills lazily, so it is counted whole: it would otherwise end in an
-    out-of-memory kill long after the start."""
+    the memory free where it goes; a GPU worker's host tier is checked against the host."""
     host = [(host_tier_bytes, "host_cache_memory")] if host_tier_bytes else []
     if device.type == "cuda":
         _check(device, [(pool_bytes, pool_setting)])
@@ -149,10 +147,10 @@ def _check(device: torch.device, parts: list[tuple[int, str]]) -> None:
 
 def allocate_kv_cache(
     config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype, device: torch.device
-) -> tuple[KVCache, int]:
+) -> tuple[KVCache, torch.Tensor | None, int]:
     """The worker's KV cache, sized from its settings and refused (ValueError naming the
-    setting) with no block, with a context it cannot hold or in memory that is not free; and
-    the context it serves."""
+    setting) with no block, with a context it cannot hold or in memory that is not free; its
+    host tier's memory (None: no host tier); and the context it serves."""
     num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_memory(
         model, config.block_size, kv_dtype, parse_memory(config.kv_cache_memory)
     )
@@ -170,4 +168,17 @@ def allocate_kv_cache(
             config.tier_config.host_bytes,
         )
         cache = KVCache.allocate(model, num_blocks, config.block_size, kv_dtype, device)
-    return cache, max_model_len
+        host = host_tier_memory(config.tier_config.host_bytes, cache.block_bytes_all_layers, device)
+    return cache, host, max_model_len
+
+
+def host_tier_memory(
+    host_bytes: int, block_nbytes: int, device: torch.device
+) -> torch.Tensor | None:
+    """The host tier's slab (``KvTiers``): whole blocks, zero-filled so that its pages are
+    taken now, in the worker's turn, and pinned on a GPU worker (its copies to and from the
+    device are then DMA). None without a host tier."""
+    slots = host_slots(host_bytes, block_nbytes)
+    if slots == 0:
+        return None
+    return torch.zeros(slots * block_nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
