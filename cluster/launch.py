@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvmesh.cluster.config import ServeConfig
+from kvmesh.cluster.deploy_status import REFUSAL_CHECK_S, app_status, deploy_failure, refused_start
 from kvmesh.cluster.stop_signals import Interrupted, StopSignals
 from kvmesh.cluster.tls import check_tls_files
 from kvmesh.workers.tokenizer_loader import model_source
@@ -269,54 +270,6 @@ def stop_serving(started_serve: bool, owner: str) -> None:
         serve.shutdown()
 
 
-# Serve's deployment message while it retries a replica that failed to start.
-RETRYING = "A replica failed to start"
-# What a replica raises when the engine refuses its settings: starting it again repeats it.
-REFUSED = "ValueError: "
-# How often a deployment coming up is checked for such a refusal.
-REFUSAL_CHECK_S = 0.5
-
-
-def _app_status(app_name: str) -> Any:
-    from ray import serve
-
-    try:
-        return serve.status().applications.get(app_name)
-    except Exception:  # the controller may be gone too: say what is known
-        return None
-
-
-def _replica_cause(deployment: Any) -> str:
-    """The exception a deployment's replica raised, from the last line of Serve's message."""
-    lines = [ln.strip() for ln in (deployment.message or "").splitlines() if ln.strip()]
-    return lines[-1].removeprefix("ray.exceptions.") if lines else "see the Serve logs"
-
-
-def _deploy_failure(app_name: str) -> str:
-    """What Serve recorded about a failed deployment of ``app_name``: the exception the
-    first failed deployment's replica raised, else Serve's own message."""
-    app = _app_status(app_name)
-    if app is None:
-        return "the deployment failed (see the Serve logs)"
-    for name, deployment in app.deployments.items():
-        if str(deployment.status).endswith("DEPLOY_FAILED") and deployment.message:
-            return f"{name} failed to start: {_replica_cause(deployment)}"
-    return (app.message or "the deployment failed").splitlines()[0]
-
-
-def refused_start(app: Any) -> str | None:
-    """A replica of ``app`` (Serve's ``ApplicationStatusOverview``) failed to start because
-    the engine refused its settings (a ``ValueError``: a context the pool cannot hold, an
-    unknown model): what to report, else None. Serve would start it twice more per replica
-    (a model load each, minutes for a large model) to the same end; any other error (a lost
-    node, a timeout) is left to its retries."""
-    for name, deployment in app.deployments.items():
-        cause = _replica_cause(deployment)
-        if (deployment.message or "").startswith(RETRYING) and cause.startswith(REFUSED):
-            return f"{name} failed to start: {cause}"
-    return None
-
-
 def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = False) -> None:
     """Deploy and serve until Ctrl-C, SIGTERM or SIGHUP (a closed terminal). Each also stops
     a deployment that is still coming up (e.g. waiting for resources that never appear); a
@@ -347,7 +300,7 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
         is refused: then ``DeployFailed`` names the refusal."""
         while signals.interrupting:
             time.sleep(REFUSAL_CHECK_S)
-            app = _app_status(APP_NAME)
+            app = app_status(APP_NAME)
             error = refused_start(app) if app is not None else None
             with up:
                 if error is not None and signals.interrupting:
@@ -369,7 +322,7 @@ def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = Fa
                 ) from None
             if "Deploying application" not in str(e):
                 raise
-            raise DeployFailed(_deploy_failure(APP_NAME)) from None
+            raise DeployFailed(deploy_failure(APP_NAME)) from None
         with up:
             signals.interrupting = False
             came_up = True

@@ -26,13 +26,8 @@ import trustme
 from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview
 
-from kvmesh.cluster.launch import (
-    RETRYING,
-    TOKEN_ENV,
-    TOKEN_PATH_ENV,
-    auth_token_available,
-    refused_start,
-)
+from kvmesh.cluster.deploy_status import RETRYING, refused_start
+from kvmesh.cluster.launch import TOKEN_ENV, TOKEN_PATH_ENV, auth_token_available
 from kvmesh.cluster.serve_app import PROXY_HEALTH_CHECK_PERIOD_S
 from kvmesh.cluster.stop_signals import SIGNALS
 from tests.ports import free_port
