@@ -176,8 +176,9 @@ def host_tier_memory(
     host_bytes: int, block_nbytes: int, device: torch.device
 ) -> torch.Tensor | None:
     """The host tier's slab (``KvTiers``): whole blocks, zero-filled so that its pages are
-    taken now, in the worker's turn, and pinned on a GPU worker (its copies to and from the
-    device are then DMA). None without a host tier."""
+    taken now, in the worker's turn, and pinned on a GPU worker (what a direct copy from the
+    device needs; blocks still reach it through ``read_block``'s bytes). None without a host
+    tier."""
     slots = host_slots(host_bytes, block_nbytes)
     if slots == 0:
         return None
