@@ -198,6 +198,31 @@ def test_a_disk_tier_it_cannot_keep_is_refused_naming_the_setting(tmp_path: Path
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def test_workers_sharing_a_disk_count_each_others_room(tmp_path: Path) -> None:
+    """Two tiers under one root whose sizes together pass the disk's free space: the second
+    is refused, naming what the first may still fill (before, each checked the free space
+    alone and both started, to meet a full disk later). Whichever model the other serves; a
+    slot whose worker is gone (lock free, size file left by a crash) reserves nothing."""
+    share = shutil.disk_usage(tmp_path).free * 3 // 5
+    first = DiskTier(str(tmp_path), share, FP, NBYTES)
+    first.scan()
+    second = DiskTier(str(tmp_path), share, "fedcba9876543210", NBYTES)
+    with pytest.raises(ValueError, match=r"^disk_cache_size: .* less \d+\.\d\d GiB the other "
+                       r"workers' tiers there may fill\); lower it or free space$"):  # fmt: skip
+        second.scan()
+    first.release()  # its worker stops: its room is free again
+    crashed = tmp_path / FP / "slot-7.size"
+    crashed.write_text(str(share))
+    (tmp_path / FP / "slot-7.lock").touch()
+    second.scan()
+    assert second.slot == 0 and not (tmp_path / FP / "slot-0.size").exists()
+    assert (tmp_path / "fedcba9876543210" / "slot-0.size").read_text() == str(share)
+    third = DiskTier(str(tmp_path), share, FP, NBYTES)
+    with pytest.raises(ValueError, match="other workers' tiers"):
+        third.scan()
+    second.release()
+
+
 def test_tier_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="host_cache_memory"):
         LLM("tiny-random", num_kv_blocks=8, host_cache_memory="lots")

@@ -10,6 +10,7 @@ checksums are checked on read) and keeps the blocks of this fingerprint, oldest 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -17,6 +18,7 @@ import shutil
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import xxhash
@@ -40,6 +42,12 @@ class DiskTier:
     first slot whose lock file it can lock (``claim``), for as long as it runs, so workers
     sharing a root never share files, and a worker that replaces a dead one (whose lock the
     OS released) adopts its blocks.
+
+    Workers sharing a root share its disk too. Each records its size beside its slot's lock
+    (``slot-<k>.size``), and a starting worker claims and checks its room holding the root's
+    ``room.lock``: the free space must hold its own size and what every live slot's tier may
+    still fill (its size less its files), whichever model it serves. A slot whose lock no one
+    holds (its worker is gone) reserves nothing.
     """
 
     def __init__(
@@ -71,14 +79,35 @@ class DiskTier:
     def claim(self) -> None:
         """Lock the first free slot of this host's workers (kept until ``release``); a
         directory it cannot use is refused (ValueError naming disk_cache_dir)."""
+        with self._room_turn():
+            self._claim()
+
+    def _claim(self) -> None:
         try:
             if self._lock_first_free_slot():
                 return
         except OSError as e:  # making the directory or a lock file; a held lock is not one
-            raise ValueError(
-                f"disk_cache_dir: cannot keep the disk tier under {self.root!r}: {e.strerror or e}"
-            ) from None
+            raise self._unusable(e) from None
         raise RuntimeError(f"disk tier: every slot under {self.base} is taken")
+
+    def _unusable(self, e: OSError) -> ValueError:
+        return ValueError(
+            f"disk_cache_dir: cannot keep the disk tier under {self.root!r}: {e.strerror or e}"
+        )
+
+    @contextlib.contextmanager
+    def _room_turn(self) -> Iterator[None]:
+        """The root's workers claim slots and check their room one at a time."""
+        try:
+            self.base.mkdir(parents=True, exist_ok=True)
+            fd = os.open(Path(self.root) / "room.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            raise self._unusable(e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def _lock_first_free_slot(self) -> bool:
         self.base.mkdir(parents=True, exist_ok=True)
@@ -96,8 +125,13 @@ class DiskTier:
 
     def release(self) -> None:
         if self._lock_fd is not None:
+            remove_file(self._size_file)
             os.close(self._lock_fd)  # drops the lock
             self._lock_fd = None
+
+    @property
+    def _size_file(self) -> Path:
+        return self.base / f"slot-{self.slot}.size"
 
     @property
     def used_bytes(self) -> int:
@@ -113,8 +147,15 @@ class DiskTier:
         A file is kept when its name, header and length are this model's block's; the rest
         (torn writes, other fingerprints, leftovers of a crash) are deleted.
         """
-        if self._lock_fd is None:
-            self.claim()
+        with self._room_turn():
+            if self._lock_fd is None:
+                self._claim()
+            found, dropped = self._scan_files()
+            self._check_room()
+            self._size_file.write_text(str(self.capacity))
+        return [h for _, h in found], dropped
+
+    def _scan_files(self) -> tuple[list[tuple[float, BlockHash]], int]:
         self.dir.mkdir(parents=True, exist_ok=True)
         found: list[tuple[float, BlockHash]] = []
         dropped = 0
@@ -128,21 +169,39 @@ class DiskTier:
         found.sort()
         for _, block_hash in found:
             self.files[block_hash] = None
-        self._check_room()
-        return [h for _, h in found], dropped
+        return found, dropped
 
     def _check_room(self) -> None:
         """Refuses (ValueError naming disk_cache_size, the slot released) a size more than the
-        disk's free space plus the tier's own files: it fills lazily, so it would otherwise
-        meet a full disk long after the start. (Workers sharing a disk check apart.)"""
+        disk's free space plus the tier's own files, less what the root's other live tiers may
+        still fill: tiers fill lazily, so they would otherwise meet a full disk long after the
+        start."""
         free = shutil.disk_usage(self.dir).free
-        if self.capacity > free + self.used_bytes:
+        others = self._others_to_fill()
+        if self.capacity + others > free + self.used_bytes:
             self.release()
+            their = f", less {gib(others)} the other workers' tiers there may fill"
             raise ValueError(
                 f"disk_cache_size: {gib(self.capacity)} is more than the disk under "
                 f"{self.root!r} has free ({gib(free)}, with the tier's own {gib(self.used_bytes)}"
-                "); lower it or free space"
+                f"{their if others else ''}); lower it or free space"
             )
+
+    def _others_to_fill(self) -> int:
+        """Bytes the root's other live slots (any fingerprint) may still write: each one's
+        recorded size less its files' bytes."""
+        total = 0
+        for size_path in Path(self.root).glob("*/slot-*.size"):
+            if size_path == self._size_file:
+                continue
+            if not _held(size_path.with_suffix(".lock")):
+                continue  # its worker is gone: its replacement will check again
+            try:
+                capacity = int(size_path.read_text())
+            except (OSError, ValueError):
+                continue
+            total += max(0, capacity - _bytes_under(size_path.with_suffix("")))
+        return total
 
     def _check_file(self, path: Path) -> BlockHash | None:
         if path.suffix != _SUFFIX:
@@ -203,6 +262,29 @@ class DiskTier:
         if not ok or xxhash.xxh3_64_intdigest(payload) != checksum:
             return None
         return payload
+
+
+def _held(lock_path: Path) -> bool:
+    """Whether a worker holds this slot lock (a shared lock on it is refused)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _bytes_under(directory: Path) -> int:
+    total = 0
+    for path in directory.glob("*/*"):
+        with contextlib.suppress(OSError):  # removed while counting
+            total += path.stat().st_size
+    return total
 
 
 def remove_file(path: Path) -> None:
