@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from kvmesh.workers.kv_tiers import check_disk_cache_size
 from kvmesh.workers.memory_size import memory_setting
+from kvmesh.workers.tier_config import check_disk_cache_size
 
 ROUTERS = ("kv_aware", "round_robin", "least_loaded")
 TRANSPORTS = ("nixl", "ray")

@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from kvmesh.workers.kv_allocation import Allocation
+from kvmesh.workers.kv_cache import host_bytes_tensor
 from kvmesh.workers.kv_cache_manager import KVCacheManager
-from kvmesh.workers.kv_connector import KvCacheConnector
+from kvmesh.workers.kv_connector import BlockBytes, KvCacheConnector
 from kvmesh.workers.request import Request
 
 NAMESPACE = b"test-model"
@@ -34,8 +37,11 @@ class KvHarness:
     def read(self, block_id: int) -> bytes:
         return self.memory[block_id]
 
-    def write(self, block_id: int, data: bytes) -> None:
-        self.memory[block_id] = data
+    def read_into(self, block_id: int, out: torch.Tensor) -> None:
+        out.copy_(host_bytes_tensor(self.memory[block_id]))
+
+    def write(self, block_id: int, data: BlockBytes | torch.Tensor) -> None:
+        self.memory[block_id] = host_bytes_tensor(data).numpy().tobytes()
 
     def new_request(self, rid: str, tokens: list[int]) -> Request:
         req = Request(rid, tokens, self.manager.block_size, NAMESPACE)

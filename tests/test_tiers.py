@@ -11,16 +11,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier
+from kvmesh.workers.kv_cache import KVCache, host_bytes_tensor
 from kvmesh.workers.kv_connector import NoopKvCacheConnector
-from kvmesh.workers.kv_tiers import DEFAULT_DISK_CACHE_SIZE, KvTiers, TierConfig
+from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.llm import LLM
 from kvmesh.workers.memory_size import parse_memory
+from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.tier_config import DEFAULT_DISK_CACHE_SIZE, TierConfig
 from kvmesh.workers.tiered_connector import TieredKvConnector
 from tests.kv_harness import KvHarness
 
@@ -61,9 +65,14 @@ def tiers(tmp_path: Path, host_blocks: int, disk_blocks: int, **kw) -> tuple[KvT
     return t, listener
 
 
+def copy_block(block_id: int, out: torch.Tensor) -> None:
+    """The pool's copy of block ``block_id`` (its KV: ``payload``) into host memory."""
+    out.copy_(host_bytes_tensor(payload(h(block_id))))
+
+
 def demote(t: KvTiers, ids: Sequence[int]) -> None:
     hashes = [h(i) for i in ids]
-    t.demote(hashes, list(ids), lambda block_id: payload(h(block_id)))
+    t.demote(hashes, list(ids), copy_block)
 
 
 def settle(t: KvTiers) -> None:
@@ -96,9 +105,38 @@ def test_a_block_in_memory_is_not_copied_again(tmp_path: Path) -> None:
     t, _ = tiers(tmp_path, host_blocks=4, disk_blocks=0)
     demote(t, [1, 2])
     reads: list[int] = []
-    t.demote([h(1), h(3)], [1, 3], lambda i: reads.append(i) or payload(h(i)))
+    t.demote([h(1), h(3)], [1, 3], lambda i, out: reads.append(i) or copy_block(i, out))
     assert reads == [3] and list(t.host) == [h(2), h(1), h(3)]
     t.close()
+
+
+def test_a_block_moves_between_pool_and_host_tier_in_one_copy() -> None:
+    """A demotion copies the pool's block straight into its slot of the host tier's slab (on
+    a GPU worker, one copy into pinned memory) and a load on the step thread copies from the
+    slot itself. Before, ``read_block``'s bytes were copied again into the slot, and a load
+    copied the slot into bytes, then into a bytearray, then into the pool."""
+    model = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=2,
+                        num_heads=2, num_kv_heads=2, head_dim=16)  # fmt: skip
+    cache = KVCache.allocate(model, 4, 2, torch.float32, torch.device("cpu"))
+    cache.data.normal_()
+    n = cache.block_bytes_all_layers
+    slab = torch.zeros(2 * n, dtype=torch.uint8)
+    t = KvTiers(TierConfig(host_bytes=2 * n), FP, n, host_memory=slab)
+    into: list[int] = []
+
+    def read_into(block_id: int, out: torch.Tensor) -> None:
+        into.append(out.data_ptr())
+        cache.read_block_into(block_id, out)
+
+    conn = TieredKvConnector(NoopKvCacheConnector(), t, read_into, cache.write_block)
+    conn.on_evict([h(1)], [1])
+    [at] = into
+    assert slab.data_ptr() <= at <= slab.data_ptr() + n
+    assert t.memory_view(h(1)).data_ptr() == at
+    assert slab[at - slab.data_ptr() :][:n].numpy().tobytes() == cache.read_block(1)
+    assert conn.start_load(0, [h(1)], [3]).num_blocks == 1
+    assert torch.equal(cache.data[:, :, 3], cache.data[:, :, 1])
+    conn.close()
 
 
 def test_torn_foreign_and_corrupt_files_are_never_served(tmp_path: Path) -> None:
@@ -275,7 +313,7 @@ class TierMachine(RuleBasedStateMachine):
             file_nbytes = DiskTier(self.dir, 0, FP, nbytes).file_nbytes
             config = TierConfig(2 * nbytes, self.dir, 5 * file_nbytes)
             t = KvTiers(config, FP, nbytes)
-            conn = TieredKvConnector(NoopKvCacheConnector(), t, harness.read, harness.write)
+            conn = TieredKvConnector(NoopKvCacheConnector(), t, harness.read_into, harness.write)
             t.listener = self.listener  # in place of the connector's: the index's view
             return conn
 

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from kvmesh.workers.block_hash import BlockHash
@@ -224,7 +225,7 @@ class DiskTier:
         )
         return block_hash if ok and stored_hash == block_hash else None
 
-    def write(self, block_hash: BlockHash, payload: bytes) -> None:
+    def write(self, block_hash: BlockHash, payload: bytes | memoryview | np.ndarray) -> None:
         """Write one block's file (temporary name, then renamed). Raises OSError."""
         path = self.path(block_hash)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,16 +243,20 @@ class DiskTier:
             remove_file(tmp)
             raise
 
-    def read(self, block_hash: BlockHash) -> bytes | None:
-        """The block's payload when its file is whole and right, else None."""
+    def read(self, block_hash: BlockHash) -> memoryview | None:
+        """The block's payload when its file is whole and right, else None: read once into
+        memory of its own (no copy of the payload after)."""
+        data = bytearray(self.file_nbytes)
         try:
-            data = self.path(block_hash).read_bytes()
+            with self.path(block_hash).open("rb") as f:
+                if os.fstat(f.fileno()).st_size != self.file_nbytes:
+                    return None
+                if f.readinto(data) != self.file_nbytes:
+                    return None
         except OSError:
             return None
-        if len(data) != self.file_nbytes:
-            return None
         magic, version, fingerprint, stored_hash, length, checksum = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size :]
+        payload = memoryview(data)[_HEADER.size :]
         ok = (magic, version, fingerprint, stored_hash, length) == (
             _MAGIC,
             _VERSION,

@@ -127,7 +127,7 @@ class LLMEngine:
                     self.kv_cache.block_bytes_all_layers,
                     host_memory=host_memory,
                 ),
-                self.kv_cache.read_block,
+                self.kv_cache.read_block_into,
                 self.kv_cache.write_block,
             )
         self.kv = KVCacheManager(

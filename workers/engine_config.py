@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvmesh.workers.kv_tiers import DEFAULT_DISK_CACHE_SIZE, TierConfig, check_disk_cache_size
 from kvmesh.workers.memory_size import memory_setting
+from kvmesh.workers.tier_config import DEFAULT_DISK_CACHE_SIZE, TierConfig, check_disk_cache_size
 
 if TYPE_CHECKING:
     import torch

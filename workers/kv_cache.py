@@ -114,6 +114,12 @@ class KVCache:
         slabs = self.data[:, :, block_id].contiguous().cpu()  # [L, 2, bs, Hkv, D]
         return slabs.view(torch.uint8).numpy().tobytes()
 
+    def read_block_into(self, block_id: int, out: torch.Tensor) -> None:
+        """Copy block `block_id` into `out`, a host uint8 tensor of `block_bytes_all_layers`,
+        laid out as `read_block`'s bytes: one copy, straight from a GPU into pinned memory."""
+        self._check_block(block_id)
+        self._as_block(out).copy_(self.data[:, :, block_id])
+
     def export_blocks(self, block_ids: Sequence[int]) -> np.ndarray:
         """Several blocks as one flat uint8 array, each laid out as `read_block` does, in the
         order given. Raises IndexError for an id out of range."""
@@ -125,22 +131,35 @@ class KVCache:
         blocks = self.data.index_select(2, index).movedim(2, 0).contiguous()
         return blocks.cpu().view(torch.uint8).reshape(-1).numpy()
 
-    def write_block(self, block_id: int, data: bytes) -> None:
-        """Overwrite block `block_id` with bytes produced by `read_block` of a compatible cache
-        (same layers, block size, KV heads, head dim and dtype). Raises ValueError on a size
+    def write_block(self, block_id: int, data: bytes | memoryview | torch.Tensor) -> None:
+        """Overwrite block `block_id` with the bytes `read_block` (or `read_block_into`) gives of
+        a compatible cache (same layers, block size, KV heads, head dim and dtype): bytes, any
+        buffer of them, or a host uint8 tensor, copied once. Raises ValueError on a size
         mismatch, before touching the cache."""
         self._check_block(block_id)
-        if len(data) != self.block_bytes_all_layers:
+        self.data[:, :, block_id].copy_(self._as_block(host_bytes_tensor(data)))
+
+    def _as_block(self, raw: torch.Tensor) -> torch.Tensor:
+        """A block's bytes seen as its [L, 2, bs, Hkv, D] elements (no copy)."""
+        if raw.numel() != self.block_bytes_all_layers:
             raise ValueError(
-                f"block data is {len(data)} bytes, expected {self.block_bytes_all_layers}"
+                f"block data is {raw.numel()} bytes, expected {self.block_bytes_all_layers}"
             )
-        # bytearray: torch.frombuffer wants a writable buffer.
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        src = raw.view(self.dtype).view(
+        return raw.view(self.dtype).view(
             self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim
         )
-        self.data[:, :, block_id].copy_(src)
 
     def _check_block(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block_id {block_id} out of range [0, {self.num_blocks})")
+
+
+def host_bytes_tensor(data: bytes | memoryview | torch.Tensor) -> torch.Tensor:
+    """Bytes as a flat uint8 tensor over their own memory; a read-only buffer (bytes) is
+    copied first, as torch wants a writable one (it is only read)."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1)
+    view = memoryview(data).cast("B")
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8)

@@ -35,6 +35,7 @@ from kvmesh.workers.kv_allocation import (
     RequestTooLargeError,
 )
 from kvmesh.workers.kv_connector import (
+    BlockBytes,
     KvCacheConnector,
     LoadResult,
     NoopKvCacheConnector,
@@ -307,7 +308,7 @@ class KVCacheManager:
         self,
         lease_id: str,
         hashes: list[BlockHash],
-        staged: Mapping[BlockHash, bytes] | None = None,
+        staged: Mapping[BlockHash, BlockBytes] | None = None,
     ) -> list[int] | None:
         """Hold the cached blocks of ``hashes`` under ``lease_id`` (a peer reads them); their
         ids, or None (nothing held) when any hash is not cached here.
@@ -336,7 +337,7 @@ class KVCacheManager:
         return [b.block_id for b in held]
 
     def to_stage(
-        self, hashes: list[BlockHash], staged: Mapping[BlockHash, bytes]
+        self, hashes: list[BlockHash], staged: Mapping[BlockHash, BlockBytes]
     ) -> list[BlockHash]:
         """The blocks a :meth:`pin` of ``hashes`` would promote from disk and ``staged`` lacks:
         the caller reads them (``KvCacheConnector.stage``) off this thread and pins again."""
@@ -344,7 +345,7 @@ class KVCacheManager:
         return [h for h in self.connector.disk_only(missing) if h not in staged]
 
     def _promote(
-        self, hashes: list[BlockHash], staged: Mapping[BlockHash, bytes] | None
+        self, hashes: list[BlockHash], staged: Mapping[BlockHash, BlockBytes] | None
     ) -> list[KVBlock] | None:
         """The connector's tier copies of all of ``hashes``, in fresh registered blocks (one
         reference each, the pin's); None, and nothing kept, when it lacks any of them."""

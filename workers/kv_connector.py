@@ -49,13 +49,19 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.workers.block_hash import BlockHash
 
+if TYPE_CHECKING:
+    import torch
+
 BlockReader = Callable[[int], bytes]
 """Returns the KV bytes of a local block id."""
-BlockWriter = Callable[[int, bytes], None]
-"""Writes KV bytes into a local block id."""
+BlockBytes = bytes | memoryview
+"""A block's KV bytes as ``BlockReader`` gives them, or a buffer of them (the tiers')."""
+BlockWriter = Callable[[int, "BlockBytes | torch.Tensor"], None]
+"""Writes KV bytes (or a host uint8 tensor of them) into a local block id."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ class KvCacheConnector(ABC):
         self,
         hashes: Sequence[BlockHash],
         allocate: Callable[[int], list[int]],
-        staged: Mapping[BlockHash, bytes] | None = None,
+        staged: Mapping[BlockHash, BlockBytes] | None = None,
     ) -> list[int]:
         """Bring all of ``hashes``, which local tiers hold, back into the pool now, for a peer
         about to pin them, or none: read their bytes (host memory, or ``staged`` for blocks
@@ -167,7 +173,7 @@ class KvCacheConnector(ABC):
         from ``staged`` bytes, which ``stage`` reads. Step thread. Default: none."""
         return []
 
-    def stage(self, hashes: Sequence[BlockHash]) -> dict[BlockHash, bytes]:
+    def stage(self, hashes: Sequence[BlockHash]) -> dict[BlockHash, BlockBytes]:
         """Read the disk copies of ``hashes`` (checked; a torn or missing one left out), for a
         ``promote`` that follows. Any thread but the step thread: it reads files. Default:
         nothing."""

@@ -27,64 +27,20 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+import torch
 
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier, remove_file
+from kvmesh.workers.tier_config import TierConfig, host_slots
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("host", "disk")
 TierListener = Callable[[str, list[BlockHash], list[BlockHash]], None]
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """Byte budgets of the tiers; a tier with a budget of 0 is off."""
-
-    host_bytes: int = 0
-    disk_dir: str | None = None
-    disk_bytes: int = 0
-    # Blocks waiting for the disk writer, in bytes: beyond it a demotion to disk is dropped
-    # (counted), so a slow disk costs cache hits, never memory or a step's time.
-    max_pending_write_bytes: int = 256 * 1024**2
-
-    def __post_init__(self) -> None:
-        for name in ("host_bytes", "disk_bytes", "max_pending_write_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
-        if self.disk_bytes and not self.disk_dir:
-            raise ValueError("disk_cache_size: needs disk_cache_dir")
-
-    @property
-    def enabled(self) -> bool:
-        return self.host_bytes > 0 or self.disk_on
-
-    @property
-    def disk_on(self) -> bool:
-        return bool(self.disk_dir) and self.disk_bytes > 0
-
-
-DEFAULT_DISK_CACHE_SIZE = "4GiB"  # per worker, when disk_cache_dir comes without a size
-
-
-def host_slots(host_bytes: int, block_nbytes: int) -> int:
-    """Blocks the host tier holds: whole blocks of its budget."""
-    return host_bytes // block_nbytes
-
-
-def check_disk_cache_size(size: object, disk_dir: object) -> None:
-    """A disk tier's size without its directory would be ignored: a ValueError instead (a
-    size of 0, the tier off, is no contradiction)."""
-    if size not in (None, 0, "0") and not disk_dir:
-        raise ValueError(
-            "disk_cache_size: needs disk_cache_dir (the directory of the disk tier); "
-            "without one there is no disk tier"
-        )
+# Copies a pool block (by id) into a host uint8 tensor of the block's bytes (KVCache's
+# read_block_into): the host tier's slot itself, so a demotion is one copy.
+BlockCopier = Callable[[int, torch.Tensor], None]
 
 
 class KvTiers:
@@ -96,9 +52,9 @@ class KvTiers:
         fingerprint_id: str,
         block_nbytes: int,
         listener: TierListener | None = None,
-        host_memory: Any = None,
+        host_memory: torch.Tensor | None = None,
     ) -> None:
-        """``host_memory``: the host tier's slab (a uint8 CPU tensor or array of
+        """``host_memory``: the host tier's slab (a uint8 CPU tensor of
         ``host_slots(config.host_bytes, block_nbytes)`` blocks); None: one of its own."""
         self.config = config
         self.block_nbytes = block_nbytes
@@ -107,13 +63,13 @@ class KvTiers:
         self.host: OrderedDict[BlockHash, int] = OrderedDict()  # LRU, oldest first -> slot
         self.host_capacity = host_slots(config.host_bytes, block_nbytes)  # in blocks
         if host_memory is None:
-            host_memory = np.zeros(self.host_capacity * block_nbytes, dtype=np.uint8)
-        self._slab = np.asarray(host_memory).reshape(-1)  # a tensor's own memory, not a copy
-        if self._slab.nbytes != self.host_capacity * block_nbytes:
+            host_memory = torch.zeros(self.host_capacity * block_nbytes, dtype=torch.uint8)
+        self._slab = host_memory.reshape(-1)  # its own memory, not a copy
+        if self._slab.numel() != self.host_capacity * block_nbytes:
             raise ValueError("host_memory: not the host tier's size")
         self._free_slots = list(range(self.host_capacity - 1, -1, -1))
         # Blocks on their way to disk: still readable, and still host blocks to the index.
-        self.writing: dict[BlockHash, bytes] = {}
+        self.writing: dict[BlockHash, np.ndarray] = {}
         self.stats = dict.fromkeys(
             (
                 "demoted_blocks",
@@ -175,27 +131,36 @@ class KvTiers:
                     return i
         return len(hashes)
 
-    def read_memory(self, block_hash: BlockHash) -> bytes | None:
-        """The block's bytes if host memory holds them (its tier, or a disk write pending)."""
+    def read_memory(self, block_hash: BlockHash) -> memoryview | None:
+        """A copy of the block's bytes if host memory holds them (its tier, or a disk write
+        pending): safe to keep while the step thread reuses the slot."""
+        with self._lock:
+            held = self._in_memory(block_hash)
+            return None if held is None else memoryview(held.numpy().copy())
+
+    def memory_view(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """The block's bytes where host memory holds them, not copied: only for the step
+        thread, which alone reuses a slot (demoting), to copy from at once."""
         with self._lock:
             return self._in_memory(block_hash)
 
-    def _in_memory(self, block_hash: BlockHash) -> bytes | None:
+    def _in_memory(self, block_hash: BlockHash) -> torch.Tensor | None:
         slot = self.host.get(block_hash)
         if slot is None:
-            return self.writing.get(block_hash)
+            pending = self.writing.get(block_hash)
+            return None if pending is None else torch.from_numpy(pending)
         self.host.move_to_end(block_hash)
-        return self._slot(slot).tobytes()
+        return self._slot(slot)
 
-    def _slot(self, slot: int) -> np.ndarray:
+    def _slot(self, slot: int) -> torch.Tensor:
         return self._slab[slot * self.block_nbytes : (slot + 1) * self.block_nbytes]
 
-    def read(self, block_hash: BlockHash) -> bytes | None:
-        """The block's bytes from memory or disk (a torn file is deleted: None)."""
+    def read(self, block_hash: BlockHash) -> memoryview | None:
+        """A copy of the block's bytes from memory or disk (a torn file is deleted: None)."""
         with self._lock:
-            payload = self._in_memory(block_hash)
-            if payload is not None:
-                return payload
+            held = self._in_memory(block_hash)
+            if held is not None:
+                return memoryview(held.numpy().copy())
             if self.disk is None or block_hash not in self.disk.files:
                 return None
         payload = self.disk.read(block_hash)
@@ -215,10 +180,10 @@ class KvTiers:
     # -- demotion (the step thread) -----------------------------------------------------------
 
     def demote(
-        self, hashes: Sequence[BlockHash], ids: Sequence[int], read: Callable[[int], bytes]
+        self, hashes: Sequence[BlockHash], ids: Sequence[int], read_into: BlockCopier
     ) -> None:
-        """Blocks the pool is about to reuse: keep a copy (``read(block_id)``) in the host tier
-        (a block the host tier holds already is only marked used), and move the host tier's
+        """Blocks the pool is about to reuse: keep a copy (``read_into(block_id, slot)``) in the
+        host tier (a block the host tier holds already is only marked used), and move its
         oldest blocks down to disk. Blocks already on disk and not in memory are copied into
         memory again only when the host tier is on."""
         stored: list[BlockHash] = []
@@ -235,11 +200,13 @@ class KvTiers:
                     if not self._free_slots:  # full: its oldest block moves down (or out)
                         victims += self._evict_oldest()
                     slot = self._free_slots.pop()
-                    self._slot(slot)[:] = np.frombuffer(read(block_id), dtype=np.uint8)
+                    read_into(block_id, self._slot(slot))
                     self.host[h] = slot
                     stored.append(h)
                 elif not on_disk and self.disk is not None:
-                    if not self._queue_write(h, read(block_id)):
+                    payload = torch.empty(self.block_nbytes, dtype=torch.uint8)
+                    read_into(block_id, payload)
+                    if not self._queue_write(h, payload.numpy()):
                         continue
                     stored.append(h)
                 else:
@@ -255,7 +222,7 @@ class KvTiers:
         queued for the disk, and stays a host block until written, or leaves the tiers (then
         returned, for the listener)."""
         h, slot = self.host.popitem(last=False)
-        payload = self._slot(slot).tobytes()
+        payload = self._slot(slot).numpy().copy()  # the slot is reused
         self._free_slots.append(slot)
         self.stats["host_evicted_blocks"] += 1
         on_disk = self.disk is not None and h in self.disk.files
@@ -263,7 +230,7 @@ class KvTiers:
             return []
         return [h]
 
-    def _queue_write(self, block_hash: BlockHash, payload: bytes) -> bool:
+    def _queue_write(self, block_hash: BlockHash, payload: np.ndarray) -> bool:
         """Queue a disk write (the lock is held); False when the queue is full (dropped)."""
         if (len(self.writing) + 1) * self.block_nbytes > self.config.max_pending_write_bytes:
             self.stats["disk_writes_dropped"] += 1

@@ -31,9 +31,9 @@ import torch
 
 from kvmesh.workers.engine_config import EngineConfig, context_len
 from kvmesh.workers.kv_cache import KVCache
-from kvmesh.workers.kv_tiers import host_slots
 from kvmesh.workers.memory_size import gib, parse_memory
 from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.tier_config import host_slots
 
 logger = logging.getLogger(__name__)
 # One per machine (or /tmp): workers starting together each check and allocate in turn.
@@ -176,8 +176,8 @@ def host_tier_memory(
     host_bytes: int, block_nbytes: int, device: torch.device
 ) -> torch.Tensor | None:
     """The host tier's slab (``KvTiers``): whole blocks, zero-filled so that its pages are
-    taken now, in the worker's turn, and pinned on a GPU worker (what a direct copy from the
-    device needs; blocks still reach it through ``read_block``'s bytes). None without a host
+    taken now, in the worker's turn, and pinned on a GPU worker, so that a demotion is one copy
+    from the device straight into its slot (``KVCache.read_block_into``). None without a host
     tier."""
     slots = host_slots(host_bytes, block_nbytes)
     if slots == 0:

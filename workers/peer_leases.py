@@ -32,6 +32,7 @@ from kvmesh.workers.block_hash import BlockHash
 if TYPE_CHECKING:  # MAX_LEASE_S is read where torch never loads (a Serve replica's config)
     from kvmesh.workers.kv_cache import KVCache
     from kvmesh.workers.kv_cache_manager import KVCacheManager
+    from kvmesh.workers.kv_connector import BlockBytes
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 30.0  # longest lease; a pull needs seconds at most
@@ -70,7 +71,7 @@ class PeerLeases:
         return int(self.kv.num_blocks * MAX_PINNED_FRACTION)
 
     def grant(
-        self, hashes: list[BlockHash], lease_s: float, staged: dict[BlockHash, bytes]
+        self, hashes: list[BlockHash], lease_s: float, staged: dict[BlockHash, BlockBytes]
     ) -> tuple[str, list[int]] | ToStage | None:
         """Pin the cached blocks of ``hashes`` (step thread): (lease id, block ids); None
         when any is no longer cached here or the pin is refused; ``ToStage`` when some are

@@ -30,13 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.kv_connector import (
-    BlockReader,
+    BlockBytes,
     BlockWriter,
     KvCacheConnector,
     LoadResult,
     PullPlan,
 )
-from kvmesh.workers.kv_tiers import KvTiers
+from kvmesh.workers.kv_tiers import BlockCopier, KvTiers
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,13 @@ DISK_READERS = 4  # block files read at once: a disk's queue depth, not its one-
 
 class TieredKvConnector(KvCacheConnector):
     def __init__(
-        self, inner: KvCacheConnector, tiers: KvTiers, reader: BlockReader, writer: BlockWriter
+        self, inner: KvCacheConnector, tiers: KvTiers, read_into: BlockCopier, writer: BlockWriter
     ) -> None:
+        """``read_into`` copies a pool block into host memory it is given (the host tier's slot:
+        one copy); ``writer`` copies a block's bytes into the pool."""
         self.inner = inner
         self.tiers = tiers
-        self.reader = reader
+        self.read_into = read_into
         self.writer = writer
         tiers.listener = self._tier_changed
         self.stats: dict[str, float] = dict.fromkeys(
@@ -109,10 +111,11 @@ class TieredKvConnector(KvCacheConnector):
         """Copy the tiers' blocks in, in order, up to the first one they cannot give. Disk
         reads run ``DISK_READERS`` at a time, ahead of the copies."""
         media = [self.tiers.medium(h) for h in hashes]
+        # Off the step thread, copies (a demotion may reuse a slot); on it, the slots themselves.
         reads = (
             self._readers.map(self.tiers.read, hashes)
             if from_disk
-            else map(self.tiers.read, hashes)
+            else map(self.tiers.memory_view, hashes)
         )
         n = 0
         for block_id, medium, payload in zip(block_ids, media, reads, strict=True):
@@ -127,7 +130,7 @@ class TieredKvConnector(KvCacheConnector):
         self,
         hashes: Sequence[BlockHash],
         allocate: Callable[[int], list[int]],
-        staged: Mapping[BlockHash, bytes] | None = None,
+        staged: Mapping[BlockHash, BlockBytes] | None = None,
     ) -> list[int]:
         """All of ``hashes`` from host memory or ``staged`` disk copies into fresh blocks, or
         none (see the seam). The bytes are read first: allocating may demote other blocks
@@ -151,7 +154,7 @@ class TieredKvConnector(KvCacheConnector):
     def disk_only(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         return [h for h in hashes if self.tiers.medium(h) == "disk"]
 
-    def stage(self, hashes: Sequence[BlockHash]) -> dict[BlockHash, bytes]:
+    def stage(self, hashes: Sequence[BlockHash]) -> dict[BlockHash, BlockBytes]:
         """The disk copies of ``hashes``, read by the tier's reader threads (checked)."""
         reads = self._readers.map(self.tiers.read, hashes)
         return {h: p for h, p in zip(hashes, reads, strict=True) if p is not None}
@@ -185,7 +188,7 @@ class TieredKvConnector(KvCacheConnector):
         # The tier copy is announced before the pool's loss: the index may list a block in
         # both for a moment, never in neither (a router then sends a conversation away from
         # its history and the peer computes it; seen in bench/cluster.py).
-        self.tiers.demote(hashes, block_ids, self.reader)
+        self.tiers.demote(hashes, block_ids, self.read_into)
         self.inner.on_evict(hashes, block_ids)
 
     def on_clear(self) -> None:
