@@ -131,12 +131,14 @@ class KvTiers:
                     return i
         return len(hashes)
 
-    def read_memory(self, block_hash: BlockHash) -> memoryview | None:
-        """A copy of the block's bytes if host memory holds them (its tier, or a disk write
-        pending): safe to keep while the step thread reuses the slot."""
+    def copy_out(self, block_hash: BlockHash, out: torch.Tensor) -> bool:
+        """Copy the block's bytes into ``out`` if host memory holds them (its tier, or a disk
+        write pending): a copy to keep while the step thread reuses the slot."""
         with self._lock:
             held = self._in_memory(block_hash)
-            return None if held is None else memoryview(held.numpy().copy())
+            if held is not None:
+                out.copy_(held)
+        return held is not None
 
     def memory_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The block's bytes where host memory holds them, not copied: only for the step
