@@ -111,7 +111,6 @@ class DiskTier:
             os.close(fd)
 
     def _lock_first_free_slot(self) -> bool:
-        self.base.mkdir(parents=True, exist_ok=True)
         slots = [self.slot] if self.slot is not None else range(1024)
         for k in slots:
             fd = os.open(self.base / f"slot-{k}.lock", os.O_CREAT | os.O_RDWR, 0o644)
@@ -146,7 +145,8 @@ class DiskTier:
         """Adopt the block files found on disk (oldest first); ``(kept, dropped)``.
 
         A file is kept when its name, header and length are this model's block's; the rest
-        (torn writes, other fingerprints, leftovers of a crash) are deleted.
+        (torn writes, other fingerprints, leftovers of a crash) are deleted. Then the tier's
+        room is checked and its size recorded for the root's other workers (the class's docs).
         """
         with self._room_turn():
             if self._lock_fd is None:
