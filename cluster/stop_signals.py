@@ -49,6 +49,12 @@ class StopSignals:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, *_: object) -> None:
+        # The interruption is claimed first. A second signal's handler can run nested in
+        # this one (between two of its bytecodes) inside a call that swallows what it raises:
+        # Python's report of a signal "ignored due to race condition", which the ignores
+        # below make. Had it claimed the interruption there, Interrupted was lost and the
+        # run waited for good (1 of 20 burst runs in a fresh-clone CI).
+        interrupt, self.interrupting = self.interrupting, False
         # The first stop signal is the only one that counts (after it ``interrupt`` raises at
         # once, and the drain runs to its end), so the rest are ignored from here: a flood of
         # them nested this handler in itself, each between two bytecodes of the last, until
@@ -57,8 +63,7 @@ class StopSignals:
         self.requested = True
         with contextlib.suppress(BlockingIOError):  # a full pipe already says it
             os.write(self._write, b"\0")
-        if self.interrupting:
-            self.interrupting = False
+        if interrupt:
             raise Interrupted
 
     def interrupt(self) -> None:
