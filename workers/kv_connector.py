@@ -160,11 +160,12 @@ class KvCacheConnector(ABC):
         staged: Mapping[BlockHash, BlockBytes] | None = None,
     ) -> list[int]:
         """Bring all of ``hashes``, which local tiers hold, back into the pool now, for a peer
-        about to pin them, or none: read their bytes (host memory, or ``staged`` for blocks
-        kept only on disk), then ``allocate(n)`` fresh block ids (which may evict, and so
-        demote, other blocks) and copy them in; returns those ids, in order (the caller
-        registers them), or [] when any is missing. Memory copies only: never a disk, a peer
-        or the network (the step thread calls it). Default: nothing to promote.
+        about to pin them, or none: find their bytes (host memory, or ``staged`` for blocks
+        kept only on disk), ``allocate(n)`` fresh block ids (which may evict, and so demote,
+        other blocks: those must not overwrite the bytes found) and copy them in; returns
+        those ids, in order (the caller registers them), or [] when any is missing. Memory
+        copies only: never a disk, a peer or the network (the step thread calls it).
+        Default: nothing to promote.
         """
         return []
 

@@ -26,7 +26,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -68,6 +69,8 @@ class KvTiers:
         if self._slab.numel() != self.host_capacity * block_nbytes:
             raise ValueError("host_memory: not the host tier's size")
         self._free_slots = list(range(self.host_capacity - 1, -1, -1))
+        # Host blocks a promotion copies from (``holding``): their slots are not reused.
+        self._held: set[BlockHash] = set()
         # Blocks on their way to disk: still readable, and still host blocks to the index.
         self.writing: dict[BlockHash, np.ndarray] = {}
         self.stats = dict.fromkeys(
@@ -131,14 +134,20 @@ class KvTiers:
                     return i
         return len(hashes)
 
-    def copy_out(self, block_hash: BlockHash, out: torch.Tensor) -> bool:
-        """Copy the block's bytes into ``out`` if host memory holds them (its tier, or a disk
-        write pending): a copy to keep while the step thread reuses the slot."""
+    @contextmanager
+    def holding(self, hashes: Sequence[BlockHash]) -> Iterator[list[torch.Tensor | None]]:
+        """The blocks' bytes where host memory holds them (None where it does not), not
+        copied, their slots kept from reuse while the block runs: a promotion allocates pool
+        blocks (which may demote others into the host tier) before it copies from them. Only
+        for the step thread, which alone reuses a slot."""
         with self._lock:
-            held = self._in_memory(block_hash)
-            if held is not None:
-                out.copy_(held)
-        return held is not None
+            views = [self._in_memory(h) for h in hashes]
+            self._held = {h for h, v in zip(hashes, views, strict=True) if v is not None}
+        try:
+            yield views
+        finally:
+            with self._lock:
+                self._held = set()
 
     def memory_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The block's bytes where host memory holds them, not copied: only for the step
@@ -187,7 +196,8 @@ class KvTiers:
         """Blocks the pool is about to reuse: keep a copy (``read_into(block_id, slot)``) in the
         host tier (a block the host tier holds already is only marked used), and move its
         oldest blocks down to disk. Blocks already on disk and not in memory are copied into
-        memory again only when the host tier is on."""
+        memory again only when the host tier is on. A block is copied only where it will be
+        kept: not while every host slot is held (``held``), nor into a full write queue."""
         stored: list[BlockHash] = []
         victims: list[BlockHash] = []
         with self._lock:
@@ -200,16 +210,20 @@ class KvTiers:
                 on_disk = self.disk is not None and h in self.disk.files
                 if self.host_capacity:
                     if not self._free_slots:  # full: its oldest block moves down (or out)
-                        victims += self._evict_oldest()
+                        evicted = self._evict_oldest()
+                        if evicted is None:  # every slot held by a promotion: not kept
+                            continue
+                        victims += evicted
                     slot = self._free_slots.pop()
                     read_into(block_id, self._slot(slot))
                     self.host[h] = slot
                     stored.append(h)
                 elif not on_disk and self.disk is not None:
+                    if not self._write_room():
+                        continue
                     payload = torch.empty(self.block_nbytes, dtype=torch.uint8)
                     read_into(block_id, payload)
-                    if not self._queue_write(h, payload.numpy()):
-                        continue
+                    self._queue_write(h, payload.numpy())
                     stored.append(h)
                 else:
                     continue
@@ -219,27 +233,33 @@ class KvTiers:
             if stored or victims:
                 self._notify("host", stored, victims)
 
-    def _evict_oldest(self) -> list[BlockHash]:
-        """Free the host tier's least recently used slot (the lock is held): its block is
-        queued for the disk, and stays a host block until written, or leaves the tiers (then
-        returned, for the listener)."""
-        h, slot = self.host.popitem(last=False)
-        payload = self._slot(slot).numpy().copy()  # the slot is reused
+    def _evict_oldest(self) -> list[BlockHash] | None:
+        """Free the host tier's least recently used slot not ``held`` (the lock is held): its
+        block is queued for the disk, and stays a host block until written, or leaves the
+        tiers (then returned, for the listener). None: every slot is held."""
+        h = next((k for k in self.host if k not in self._held), None)
+        if h is None:
+            return None
+        slot = self.host.pop(h)
         self._free_slots.append(slot)
         self.stats["host_evicted_blocks"] += 1
         on_disk = self.disk is not None and h in self.disk.files
-        if not on_disk and self.disk is not None and self._queue_write(h, payload):
-            return []
-        return [h]
+        if on_disk or self.disk is None or not self._write_room():
+            return [h]
+        self._queue_write(h, self._slot(slot).numpy().copy())  # a copy: the slot is reused
+        return []
 
-    def _queue_write(self, block_hash: BlockHash, payload: np.ndarray) -> bool:
-        """Queue a disk write (the lock is held); False when the queue is full (dropped)."""
+    def _write_room(self) -> bool:
+        """Whether the write queue takes one more block (the lock is held); counts a drop."""
         if (len(self.writing) + 1) * self.block_nbytes > self.config.max_pending_write_bytes:
             self.stats["disk_writes_dropped"] += 1
             return False
+        return True
+
+    def _queue_write(self, block_hash: BlockHash, payload: np.ndarray) -> None:
+        """Queue a disk write (the lock is held; ``_write_room`` said yes)."""
         self.writing[block_hash] = payload
         self._queue.put(block_hash)
-        return True
 
     # -- the disk writer thread -------------------------------------------------------------
 

@@ -28,8 +28,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.kv_connector import (
     BlockBytes,
@@ -135,25 +133,20 @@ class TieredKvConnector(KvCacheConnector):
         staged: Mapping[BlockHash, BlockBytes] | None = None,
     ) -> list[int]:
         """All of ``hashes`` from host memory or ``staged`` disk copies into fresh blocks, or
-        none (see the seam). The bytes are read first: allocating may demote other blocks
-        and push these out. Host blocks are copied into one buffer, whose pages fault in
-        once (a buffer per block took twice as long: bench/tier_copies.py)."""
+        none (see the seam). The host blocks' slots are held while the pool allocates (which
+        may demote other blocks into the host tier), so each block is copied once, from its
+        slot into the pool, as a host load is."""
         started = time.perf_counter()
         staged = staged or {}
-        on_disk = [self.tiers.medium(h) == "disk" for h in hashes]
-        rows = iter(torch.empty((on_disk.count(False), self.tiers.block_nbytes), dtype=torch.uint8))
-        payloads: list[BlockBytes | torch.Tensor | None] = []
-        for h, disk in zip(hashes, on_disk, strict=True):
-            if disk:
-                payloads.append(staged.get(h))
-            else:
-                row = next(rows)
-                payloads.append(row if self.tiers.copy_out(h, row) else None)
-        if any(p is None for p in payloads):  # not staged, or left the tiers since
-            return []
-        block_ids = allocate(len(payloads))
-        for block_id, payload in zip(block_ids, payloads, strict=True):
-            self.writer(block_id, payload)
+        with self.tiers.holding(hashes) as views:
+            payloads = [
+                v if v is not None else staged.get(h) for h, v in zip(hashes, views, strict=True)
+            ]
+            if any(p is None for p in payloads):  # not staged, or left the tiers since
+                return []
+            block_ids = allocate(len(payloads))
+            for block_id, payload in zip(block_ids, payloads, strict=True):
+                self.writer(block_id, payload)
         # The same copy as a load from the host tier: routers charge it at that cost.
         self.stats["promoted_blocks"] += len(block_ids)
         self.stats["promote_s"] += time.perf_counter() - started
