@@ -137,7 +137,7 @@ def main() -> None:
         ray.get(d.generate.remote(other, params))
     ray.get(d.flush_events.remote())
     from_host = ray.get(b.generate.remote(host_prompt, params))
-    promoted = ray.get(d.connector_stats.remote())["promoted_blocks"]
+    d_stats = ray.get(d.connector_stats.remote())
 
     disk_computed = ray.get(e.generate.remote(disk_prompt, params))
     for other in (evictor, main_prompt):  # disk_prompt's blocks go to E's disk
@@ -171,10 +171,13 @@ def main() -> None:
         ),
         "host_pull_ttft_s": round(from_host.metrics.ttft_s, 4),
         "host_pull_tokens": from_host.metrics.num_pulled_tokens,
-        "host_promoted_blocks": promoted,
+        "host_promoted_blocks": d_stats["promoted_blocks"],
+        # The holder's own time copying tier blocks into its pool for the pull's pin.
+        "host_promote_s": round(d_stats["promote_s"], 4),
         "disk_pull_ttft_s": round(from_peer_disk.metrics.ttft_s, 4),
         "disk_pull_tokens": from_peer_disk.metrics.num_pulled_tokens,
         "disk_pull_promoted_blocks": e_stats["promoted_blocks"],
+        "disk_promote_s": round(e_stats["promote_s"], 4),
         "outputs_equal": computed.token_ids == pulled.token_ids == from_disk.token_ids
         and host_computed.token_ids == from_host.token_ids
         and disk_computed.token_ids == from_peer_disk.token_ids,
