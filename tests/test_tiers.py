@@ -24,9 +24,10 @@ from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.llm import LLM
 from kvmesh.workers.memory_size import parse_memory
 from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.request import Request
 from kvmesh.workers.tier_config import DEFAULT_DISK_CACHE_SIZE, TierConfig
 from kvmesh.workers.tiered_connector import TieredKvConnector
-from tests.kv_harness import KvHarness
+from tests.kv_harness import NAMESPACE, KvHarness
 
 FP = "0123456789abcdef"
 NBYTES = 64
@@ -374,6 +375,22 @@ class TierMachine(RuleBasedStateMachine):
         self.h.check_kv()
         self.h.finish(req)
 
+    @rule(i=st.integers(0, len(MACHINE_PROMPTS) - 1), n=st.integers(1, 4))
+    def peer_pins(self, i: int, n: int) -> None:
+        """A peer pins a prompt's first n blocks: what the tiers hold is promoted (host
+        blocks from their held slots, disk ones once staged), each pinned block holds its
+        own KV, and a refusal takes nothing."""
+        chain = Request("pin", MACHINE_PROMPTS[i], 2, NAMESPACE).block_hashes[:n]
+        kv, free = self.h.manager, self.h.manager.num_free_blocks
+        ids = kv.pin("lease", chain)
+        if ids is None and (disk := kv.to_stage(chain, {})):
+            ids = kv.pin("lease", chain, self.conn.stage(disk))
+        if ids is None:
+            assert kv.num_free_blocks == free and not kv.pins
+            return
+        assert [self.h.memory[b] for b in ids] == chain
+        kv.unpin("lease")
+
     @rule()
     def writer_catches_up(self) -> None:
         settle(self.conn.tiers)
@@ -397,13 +414,14 @@ class TierMachine(RuleBasedStateMachine):
         self.conn.close()
         LOADS["host"] += self.conn.stats["host_loaded_blocks"]
         LOADS["disk"] += self.conn.stats["disk_loaded_blocks"]
+        LOADS["promoted"] += self.conn.stats["promoted_blocks"]
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-LOADS = {"host": 0, "disk": 0}
+LOADS = {"host": 0, "disk": 0, "promoted": 0}
 TierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
 def test_tier_machine() -> None:
     TierMachine.TestCase("runTest").runTest()
-    assert LOADS["host"] > 0 and LOADS["disk"] > 0, LOADS  # the walk did reach both tiers
+    assert min(LOADS.values()) > 0, LOADS  # the walk loaded from both tiers, and promoted
