@@ -1,13 +1,11 @@
-"""The host and disk tiers themselves: budgets, the disk's files (torn, foreign, full disk),
-slots per worker, settings, and a random walk over a pool with both tiers."""
+"""The host and disk tiers together: budgets and the index's view, the copies between a pool
+and the host tier, settings, and a random walk over a pool with both tiers. The disk's own
+files: test_disk_tier.py."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier
-from kvmesh.workers.kv_cache import KVCache, host_bytes_tensor
+from kvmesh.workers.kv_cache import KVCache
 from kvmesh.workers.kv_connector import NoopKvCacheConnector
 from kvmesh.workers.kv_tiers import KvTiers
 from kvmesh.workers.llm import LLM
@@ -28,61 +25,17 @@ from kvmesh.workers.request import Request
 from kvmesh.workers.tier_config import DEFAULT_DISK_CACHE_SIZE, TierConfig
 from kvmesh.workers.tiered_connector import TieredKvConnector
 from tests.kv_harness import NAMESPACE, KvHarness
-
-FP = "0123456789abcdef"
-NBYTES = 64
-
-
-def h(i: int) -> BlockHash:
-    return i.to_bytes(16, "little")
-
-
-def payload(block_hash: BlockHash) -> bytes:
-    return (block_hash * (NBYTES // 16))[:NBYTES]
-
-
-class Listener:
-    """What the index would know: each tier's blocks, from the listener's calls."""
-
-    def __init__(self) -> None:
-        self.held: dict[str, set[BlockHash]] = {"host": set(), "disk": set()}
-
-    def __call__(self, medium: str, stored: list[BlockHash], removed: list[BlockHash]) -> None:
-        self.held[medium] |= set(stored)
-        self.held[medium] -= set(removed)
-
-
-def tiers(tmp_path: Path, host_blocks: int, disk_blocks: int, **kw) -> tuple[KvTiers, Listener]:
-    file_nbytes = DiskTier(str(tmp_path), 0, FP, NBYTES).file_nbytes
-    config = TierConfig(
-        host_bytes=host_blocks * NBYTES,
-        disk_dir=str(tmp_path) if disk_blocks else None,
-        disk_bytes=disk_blocks * file_nbytes,
-        **kw,
-    )
-    listener = Listener()
-    t = KvTiers(config, FP, NBYTES, listener)
-    t.start()
-    return t, listener
-
-
-def copy_block(block_id: int, out: torch.Tensor) -> None:
-    """The pool's copy of block ``block_id`` (its KV: ``payload``) into host memory."""
-    out.copy_(host_bytes_tensor(payload(h(block_id))))
-
-
-def demote(t: KvTiers, ids: Sequence[int]) -> None:
-    hashes = [h(i) for i in ids]
-    t.demote(hashes, list(ids), copy_block)
-
-
-def settle(t: KvTiers) -> None:
-    """Wait for the disk writer to finish what is queued."""
-    assert t.wait_written()
-
-
-def files(tmp_path: Path) -> set[str]:
-    return {p.name for p in (tmp_path / FP / "slot-0").glob("*/*.kvb")}
+from tests.tier_helpers import (
+    FP,
+    Listener,
+    copy_block,
+    demote,
+    files,
+    h,
+    payload,
+    settle,
+    tiers,
+)
 
 
 def test_budgets_hold_and_the_listener_mirrors_every_tier(tmp_path: Path) -> None:
@@ -176,135 +129,6 @@ def test_a_promotion_copies_each_block_once_from_its_slot() -> None:
     conn.on_evict([h(12)], [4])  # held no longer: its oldest slot is reused again
     assert t.medium(h(12)) == "host" and t.medium(h(1)) is None
     conn.close()
-
-
-def test_torn_foreign_and_corrupt_files_are_never_served(tmp_path: Path) -> None:
-    t, _ = tiers(tmp_path, host_blocks=0, disk_blocks=10)
-    demote(t, range(5))
-    settle(t)
-    t.close()
-    disk = DiskTier(str(tmp_path), 0, FP, NBYTES, slot=0)
-    torn, corrupt = disk.path(h(0)), disk.path(h(1))
-    torn.write_bytes(torn.read_bytes()[:-7])  # a crash mid-write
-    data = bytearray(corrupt.read_bytes())
-    data[-1] ^= 0xFF  # a flipped bit in the payload: the header still reads well
-    corrupt.write_bytes(bytes(data))
-    foreign = DiskTier(str(tmp_path), 0, "fedcba9876543210", NBYTES, slot=0)
-    foreign.write(h(9), payload(h(9)))
-    moved = disk.path(h(9))  # another model's file under this model's name
-    moved.parent.mkdir(parents=True, exist_ok=True)
-    moved.write_bytes(foreign.path(h(9)).read_bytes())
-    (tmp_path / FP / "slot-0" / "junk.txt").write_text("x")
-
-    t2, listener = tiers(tmp_path, host_blocks=0, disk_blocks=10)
-    assert t2.stats["disk_scan_dropped"] == 2  # the torn file and the foreign one
-    assert set(t2.disk.files) == {h(1), h(2), h(3), h(4)}
-    assert listener.held["disk"] == set(t2.disk.files)
-    assert t2.read(h(1)) is None  # the checksum catches it on read
-    assert not corrupt.exists() and h(1) not in listener.held["disk"]
-    assert t2.get_stats()["disk_corrupt_blocks"] == 1
-    assert t2.read(h(2)) == payload(h(2))
-    assert foreign.path(h(9)).exists()  # another model's directory is left alone
-    t2.close()
-
-
-def test_workers_sharing_a_directory_take_slots_of_their_own(tmp_path: Path) -> None:
-    a, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)
-    b, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)
-    assert (a.disk.slot, b.disk.slot) == (0, 1)
-    demote(a, [1])
-    demote(b, [2])
-    settle(a), settle(b)
-    a.close()
-    c, listener = tiers(tmp_path, host_blocks=0, disk_blocks=4)  # a's replacement
-    assert c.disk.slot == 0 and listener.held["disk"] == {h(1)}
-    b.close(), c.close()
-
-
-def test_a_full_disk_drops_writes_and_keeps_serving(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def full(self: DiskTier, block_hash: BlockHash, data: bytes) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(DiskTier, "write", full)
-    t, listener = tiers(tmp_path, host_blocks=2, disk_blocks=10)
-    demote(t, range(6))
-    settle(t)
-    assert t.get_stats()["disk_write_errors"] == 4
-    assert not t.disk.files and list(t.host) == [h(4), h(5)]
-    assert listener.held == {"host": {h(4), h(5)}, "disk": set()}
-    assert t.read(h(0)) is None
-    t.close()
-
-
-def test_a_slow_disk_costs_hits_not_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = __import__("threading").Event()
-    real = DiskTier.write
-
-    def slow(self: DiskTier, block_hash: BlockHash, data: bytes) -> None:
-        gate.wait(10)
-        real(self, block_hash, data)
-
-    monkeypatch.setattr(DiskTier, "write", slow)
-    t, _ = tiers(tmp_path, host_blocks=0, disk_blocks=10, max_pending_write_bytes=3 * NBYTES)
-    copied: list[int] = []
-
-    def counted(block_id: int, out: torch.Tensor) -> None:
-        copied.append(block_id)
-        copy_block(block_id, out)
-
-    t.demote([h(i) for i in range(6)], list(range(6)), counted)
-    assert len(t.writing) == 3 and t.get_stats()["disk_writes_dropped"] == 3
-    assert copied == [0, 1, 2]  # a write the queue drops is not copied first
-    gate.set()
-    settle(t)
-    assert set(t.disk.files) == {h(0), h(1), h(2)}
-    t.close()
-
-
-def test_a_disk_tier_it_cannot_keep_is_refused_naming_the_setting(tmp_path: Path) -> None:
-    """A directory it cannot make, or a size more than the disk has free (with the tier's
-    own files), refuses the start naming the setting: before, an OSError naming an inner
-    path, or a tier that met a full disk later. A refused tier leaves its slot free."""
-    afile = tmp_path / "a-file"
-    afile.write_text("x")
-    with pytest.raises(ValueError, match=r"^disk_cache_dir: cannot keep the disk tier under "
-                       r"'.*a-file': Not a directory$"):  # fmt: skip
-        LLM("tiny-random", num_kv_blocks=8, disk_cache_dir=str(afile), progress=False)
-    free = shutil.disk_usage(tmp_path).free
-    with pytest.raises(ValueError, match=r"^disk_cache_size: \d+\.\d\d GiB is more than the "
-                       r"disk under '.*' has free \("):  # fmt: skip
-        LLM("tiny-random", num_kv_blocks=8, disk_cache_dir=str(tmp_path / "t"),
-            disk_cache_size=free + 2**30, progress=False)  # fmt: skip
-    [lock] = (tmp_path / "t").glob("*/slot-*.lock")  # the refused tier's slot: let go of
-    with lock.open() as f:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-def test_workers_sharing_a_disk_count_each_others_room(tmp_path: Path) -> None:
-    """Two tiers under one root whose sizes together pass the disk's free space: the second
-    is refused, naming what the first may still fill (before, each checked the free space
-    alone and both started, to meet a full disk later). Whichever model the other serves; a
-    slot whose worker is gone (lock free, size file left by a crash) reserves nothing."""
-    share = shutil.disk_usage(tmp_path).free * 3 // 5
-    first = DiskTier(str(tmp_path), share, FP, NBYTES)
-    first.scan()
-    second = DiskTier(str(tmp_path), share, "fedcba9876543210", NBYTES)
-    with pytest.raises(ValueError, match=r"^disk_cache_size: .* less \d+\.\d\d GiB the other "
-                       r"workers' tiers there may fill\); lower it or free space$"):  # fmt: skip
-        second.scan()
-    first.release()  # its worker stops: its room is free again
-    crashed = tmp_path / FP / "slot-7.size"
-    crashed.write_text(str(share))
-    (tmp_path / FP / "slot-7.lock").touch()
-    second.scan()
-    assert second.slot == 0 and not (tmp_path / FP / "slot-0.size").exists()
-    assert (tmp_path / "fedcba9876543210" / "slot-0.size").read_text() == str(share)
-    third = DiskTier(str(tmp_path), share, FP, NBYTES)
-    with pytest.raises(ValueError, match="other workers' tiers"):
-        third.scan()
-    second.release()
 
 
 def test_tier_settings_are_checked() -> None:
