@@ -137,12 +137,13 @@ class KvTiers:
     @contextmanager
     def holding(self, hashes: Sequence[BlockHash]) -> Iterator[list[torch.Tensor | None]]:
         """The blocks' bytes where host memory holds them (None where it does not), not
-        copied, their slots kept from reuse while the block runs: a promotion allocates pool
-        blocks (which may demote others into the host tier) before it copies from them. Only
-        for the step thread, which alone reuses a slot."""
+        copied, their slots kept from reuse inside the ``with``: a promotion allocates pool
+        blocks (which may demote others into the host tier) before it copies from them.
+        (A pending disk write's bytes are no slot's: nothing reuses them.) Only for the step
+        thread, which alone reuses a slot."""
         with self._lock:
             views = [self._in_memory(h) for h in hashes]
-            self._held = {h for h, v in zip(hashes, views, strict=True) if v is not None}
+            self._held = {h for h in hashes if h in self.host}
         try:
             yield views
         finally:
@@ -197,7 +198,7 @@ class KvTiers:
         host tier (a block the host tier holds already is only marked used), and move its
         oldest blocks down to disk. Blocks already on disk and not in memory are copied into
         memory again only when the host tier is on. A block is copied only where it will be
-        kept: not while every host slot is held (``held``), nor into a full write queue."""
+        kept: not while every host slot is held (``holding``), nor into a full write queue."""
         stored: list[BlockHash] = []
         victims: list[BlockHash] = []
         with self._lock:
