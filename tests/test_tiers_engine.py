@@ -278,3 +278,20 @@ def test_the_api_reports_tier_hits_and_metrics(tmp_path: Path) -> None:
                 assert f"kvmesh_{counter}_total 0.0" in body, counter  # none here, but shown
     finally:
         backend.shutdown()
+
+
+def test_a_load_from_the_host_tier_is_not_pushed_out_by_its_own_allocation(
+    reference: list[list[int]],
+) -> None:
+    """Three prompts through a pool that holds one and a host tier that holds two: the first
+    comes back from the host tier whole. Its lookup marks its host blocks used, so the
+    demotions its own allocation causes evict the other prompt's. Before, they evicted its
+    own oldest blocks and it loaded none of its 9 (seen live: a 534-token prompt got 400
+    tokens from host memory and computed 134)."""
+    llm = LLM("tiny-random", num_kv_blocks=12, progress=False, host_cache_memory=20 * 8192)
+    for p, want in zip(PROMPTS[:3], reference[:3], strict=True):
+        assert llm.generate([p], GREEDY)[0].token_ids == want
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.token_ids == reference[0]
+    assert out.metrics.num_host_hit_tokens == 144  # all 9 full blocks but the last token's
+    llm.close()

@@ -134,6 +134,16 @@ class KvTiers:
                     return i
         return len(hashes)
 
+    def touch(self, hashes: Sequence[BlockHash]) -> None:
+        """Mark the host tier's copies of ``hashes`` the most recently used: a load of them
+        allocates pool blocks first, and the demotions that allocation causes evict the host
+        tier's least recently used blocks, which must not be these. The chain's head last:
+        a load stops at its first missing block, so under pressure its tail goes first."""
+        with self._lock:
+            for h in reversed(hashes):
+                if h in self.host:
+                    self.host.move_to_end(h)
+
     @contextmanager
     def holding(self, hashes: Sequence[BlockHash]) -> Iterator[list[torch.Tensor | None]]:
         """The blocks' bytes where host memory holds them (None where it does not), not

@@ -82,6 +82,7 @@ class TieredKvConnector(KvCacheConnector):
 
     def lookup(self, hashes: Sequence[BlockHash], plan: PullPlan | None = None) -> int | None:
         n_tier = self.tiers.depth(hashes)
+        self.tiers.touch(hashes[:n_tier])  # before the load's allocation demotes others
         if n_tier == len(hashes):
             return n_tier
         n_inner = self.inner.lookup(hashes) if plan is None else self.inner.lookup(hashes, plan)
