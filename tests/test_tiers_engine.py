@@ -295,3 +295,28 @@ def test_a_load_from_the_host_tier_is_not_pushed_out_by_its_own_allocation(
     assert out.token_ids == reference[0]
     assert out.metrics.num_host_hit_tokens == 144  # all 9 full blocks but the last token's
     llm.close()
+
+
+def test_a_load_from_both_tiers_reports_each_tiers_share(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """A prompt whose head is in host memory and whose tail went on to disk: the response
+    splits its hits by where each block came from. Before, the whole load counted under its
+    slowest medium (all 144 tokens "disk" although 96 came from memory)."""
+    kw = {"host_cache_memory": 15 * 8192, "disk_cache_dir": str(tmp_path)}
+    llm = LLM("tiny-random", num_kv_blocks=12, progress=False, **kw)
+    for p, want in zip(PROMPTS[:3], reference[:3], strict=True):
+        assert llm.generate([p], GREEDY)[0].token_ids == want
+    tiers = llm.engine.kv.connector.tiers
+    assert tiers.wait_written()
+    chain = block_hashes(PROMPTS[0], 16, llm.engine.fingerprint.namespace)[:9]
+    media = [tiers.medium(x) for x in chain]
+    assert media.count("host") and media.count("disk") and None not in media
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.token_ids == reference[0]
+    m = out.metrics
+    assert (m.num_host_hit_tokens, m.num_disk_hit_tokens) == (
+        16 * media.count("host"),
+        16 * media.count("disk"),
+    )
+    llm.close()

@@ -28,6 +28,7 @@ class Allocation:
     # Tokens a background load is filling: the request waits until ``poll_loads`` says.
     num_loading_tokens: int = 0
     loaded_medium: str = "peer"  # where the loaded tokens came from (``LoadResult.medium``)
+    loaded_disk_tokens: int = 0  # of a tier load's, those read from disk (the rest: host)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -45,6 +46,7 @@ class LoadOutcome:
     # computing its prefix (``request.may_pull`` is False).
     restart: bool = False
     medium: str = "peer"  # where the loaded tokens came from (``LoadResult.medium``)
+    disk_tokens: int = 0  # of a tier load's, those read from disk (the rest: host)
     # The load's peer reads (``LoadResult.read_blocks`` / ``read_s`` / ``read_from``).
     read_blocks: int = 0
     read_s: float = 0.0

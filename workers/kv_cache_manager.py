@@ -195,7 +195,12 @@ class KVCacheManager:
         if n_local or num_loaded:
             self.connector.on_hit(request.request_id, n_local, num_loaded)
         return Allocation(
-            tuple(new_blocks[num_loaded:]), n_local * bs, num_loaded * bs, 0, result.medium
+            tuple(new_blocks[num_loaded:]),
+            n_local * bs,
+            num_loaded * bs,
+            0,
+            result.medium,
+            min(result.disk_blocks, num_loaded) * bs,
         )
 
     def _start_load(self, request: Request, blocks: list[KVBlock], start: int) -> LoadResult | None:
@@ -258,7 +263,10 @@ class KVCacheManager:
             if load.num_local_blocks or n:
                 self.connector.on_hit(rid, load.num_local_blocks, n)
             loaded = n * self.block_size
-            out.append(LoadOutcome(load.request, loaded, medium=result.medium, **reads))
+            disk = min(result.disk_blocks, n) * self.block_size
+            out.append(
+                LoadOutcome(load.request, loaded, medium=result.medium, disk_tokens=disk, **reads)
+            )
         return out
 
     def _release(self, blocks: list[KVBlock], busy: list[KVBlock], result: LoadResult) -> None:

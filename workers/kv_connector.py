@@ -97,7 +97,8 @@ class LoadResult:
 
     ``writing``: failed, and a transfer may still write its blocks; a later result for the
     same ``load_id`` with ``writing=False`` says it has stopped. ``medium``: where the blocks
-    came from: a peer's pool (pulled), or this worker's host or disk tier (the slowest read).
+    came from: a peer's pool (pulled), or this worker's host or disk tier (the slowest read);
+    ``disk_blocks``: of a tier load's blocks, those read from disk (the rest: host memory).
     ``read_blocks`` / ``read_s``: the peer reads this load made, failed ones included (blocks
     asked for, seconds in the transport): what the router learns a pull's cost from;
     ``read_from``: the peer they all read from (None: none, or more than one), whose link
@@ -108,6 +109,7 @@ class LoadResult:
     num_blocks: int
     writing: bool = False
     medium: str = "peer"
+    disk_blocks: int = 0
     read_blocks: int = 0
     read_s: float = 0.0
     read_from: str | None = None

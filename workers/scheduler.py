@@ -117,7 +117,11 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
             self._record_sources(
-                req, alloc.num_local_hit_tokens, alloc.num_loaded_tokens, alloc.loaded_medium
+                req,
+                alloc.num_local_hit_tokens,
+                alloc.num_loaded_tokens,
+                alloc.loaded_medium,
+                alloc.loaded_disk_tokens,
             )
             pending.update(req.block_hashes[req.num_kv_tokens // self.kv.block_size :])
             if alloc.num_loading_tokens:
@@ -158,24 +162,34 @@ class Scheduler:
                 continue
             req.num_kv_tokens += outcome.num_loaded_tokens
             self._record_sources(
-                req, req.metrics.num_local_hit_tokens, outcome.num_loaded_tokens, outcome.medium
+                req,
+                req.metrics.num_local_hit_tokens,
+                outcome.num_loaded_tokens,
+                outcome.medium,
+                outcome.disk_tokens,
             )
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
     @staticmethod
     def _record_sources(
-        req: Request, local_tokens: int, loaded_tokens: int, medium: str = "peer"
+        req: Request,
+        local_tokens: int,
+        loaded_tokens: int,
+        medium: str = "peer",
+        disk_tokens: int = 0,
     ) -> None:
         """Where the KV of the admission that yields the first token comes from: the pool,
-        a load from ``medium`` (a peer, or a local tier), the rest computed."""
+        a load from ``medium`` (a peer, or local tiers: ``disk_tokens`` of it from disk, the
+        rest from host memory), the rest computed."""
         m = req.metrics
         if m.first_token_time is not None:
             return
+        tiers = medium != "peer"
         m.num_local_hit_tokens = local_tokens
-        m.num_pulled_tokens = loaded_tokens if medium == "peer" else 0
-        m.num_host_hit_tokens = loaded_tokens if medium == "host" else 0
-        m.num_disk_hit_tokens = loaded_tokens if medium == "disk" else 0
+        m.num_pulled_tokens = 0 if tiers else loaded_tokens
+        m.num_host_hit_tokens = loaded_tokens - disk_tokens if tiers else 0
+        m.num_disk_hit_tokens = disk_tokens if tiers else 0
         # num_tokens: the prompt, and a resumed request's resumed tokens, all prefilled.
         m.num_computed_tokens = req.num_tokens - local_tokens - loaded_tokens
 

@@ -4,13 +4,15 @@ Behind the seam, in the manager's order:
 - ``on_evict`` (a block is about to be reused): the inner connector hears of it, then the
   tiers keep a copy of its bytes (``KvTiers.demote``).
 - ``lookup``: the tiers' depth and the inner connector's answer (a peer's), the larger; None
-  while the inner one does not know yet and the tiers cannot cover everything.
+  while the inner one does not know yet and the tiers cannot cover everything. The host
+  blocks found are marked used, so the load's own allocation does not demote them away.
 - ``start_load``: from the tiers when they hold every asked block, else from the inner
   connector. Blocks all in host memory are copied in at once (memory copies, like a step's
   own work); a load that reads disk runs on the tier loader's thread and ``poll_loads``
-  reports it. A load is counted under the slowest medium it read (``LoadResult.medium``). A
-  torn or vanished file ends the load at that block: the leading blocks read are registered,
-  the rest computed.
+  reports it. A load names its slowest medium (``LoadResult.medium``) and how many of its
+  blocks came from disk (``disk_blocks``; the rest from host memory). A torn or vanished
+  file ends the load at that block: the leading blocks read are registered, the rest
+  computed.
 - ``promote`` (a peer pins blocks this worker keeps in a tier): copied back into fresh pool
   blocks, so the peer's read finds them in the pool. Blocks only on disk are read first, off
   the step thread (``disk_only`` names them, ``stage`` reads and checks them on the tier's
@@ -125,7 +127,8 @@ class TieredKvConnector(KvCacheConnector):
             self.writer(block_id, payload)
             self.stats[f"{medium}_loaded_blocks"] += 1
             n += 1
-        return LoadResult(load_id, n, medium="disk" if "disk" in media[:n] else "host")
+        disk = media[:n].count("disk")
+        return LoadResult(load_id, n, medium="disk" if disk else "host", disk_blocks=disk)
 
     def promote(
         self,
