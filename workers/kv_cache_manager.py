@@ -198,9 +198,8 @@ class KVCacheManager:
             tuple(new_blocks[num_loaded:]),
             n_local * bs,
             num_loaded * bs,
-            0,
-            result.medium,
-            min(result.disk_blocks, num_loaded) * bs,
+            loaded_medium=result.medium,
+            loaded_disk_tokens=min(result.disk_blocks, num_loaded) * bs,
         )
 
     def _start_load(self, request: Request, blocks: list[KVBlock], start: int) -> LoadResult | None:
