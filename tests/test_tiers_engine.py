@@ -54,9 +54,10 @@ class Ordered(NoopKvCacheConnector):
         self.heard += [(medium, h) for h in hashes]
 
 
-def churn(llm: LLM, reference: list[list[int]]) -> None:
-    """Each prompt alone, so each evicts the ones before (down into the tiers)."""
-    for p, want in zip(PROMPTS, reference, strict=True):
+def churn(llm: LLM, reference: list[list[int]], n: int = len(PROMPTS)) -> None:
+    """The first ``n`` prompts, each alone, so each evicts the ones before (down into the
+    tiers)."""
+    for p, want in zip(PROMPTS[:n], reference[:n], strict=True):
         assert llm.generate([p], GREEDY)[0].token_ids == want
 
 
@@ -289,8 +290,7 @@ def test_a_load_from_the_host_tier_is_not_pushed_out_by_its_own_allocation(
     own oldest blocks and it loaded none of its 9 (seen live: a 534-token prompt got 400
     tokens from host memory and computed 134)."""
     llm = LLM("tiny-random", num_kv_blocks=12, progress=False, host_cache_memory=20 * 8192)
-    for p, want in zip(PROMPTS[:3], reference[:3], strict=True):
-        assert llm.generate([p], GREEDY)[0].token_ids == want
+    churn(llm, reference, 3)
     out = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert out.token_ids == reference[0]
     assert out.metrics.num_host_hit_tokens == 144  # all 9 full blocks but the last token's
@@ -305,8 +305,7 @@ def test_a_load_from_both_tiers_reports_each_tiers_share(
     slowest medium (all 144 tokens "disk" although 96 came from memory)."""
     kw = {"host_cache_memory": 15 * 8192, "disk_cache_dir": str(tmp_path)}
     llm = LLM("tiny-random", num_kv_blocks=12, progress=False, **kw)
-    for p, want in zip(PROMPTS[:3], reference[:3], strict=True):
-        assert llm.generate([p], GREEDY)[0].token_ids == want
+    churn(llm, reference, 3)
     tiers = llm.engine.kv.connector.tiers
     assert tiers.wait_written()
     chain = block_hashes(PROMPTS[0], 16, llm.engine.fingerprint.namespace)[:9]
