@@ -103,6 +103,25 @@ def test_a_slow_disk_costs_hits_not_memory(tmp_path: Path, monkeypatch: pytest.M
     t.close()
 
 
+def test_blocks_demoted_while_every_host_slot_is_held_go_to_disk(tmp_path: Path) -> None:
+    """A promotion holds host slots (``holding``) while its allocation demotes other blocks:
+    with every slot held those go straight to the disk tier, as without a host tier. Before,
+    they were dropped although the disk had room, and their tokens computed again later."""
+    t, listener = tiers(tmp_path, host_blocks=2, disk_blocks=8)
+    demote(t, [1, 2])
+    with t.holding([h(1), h(2)]) as views:
+        demote(t, [3, 4])
+        assert [bytes(v.numpy()) for v in views] == [payload(h(1)), payload(h(2))]
+    settle(t)
+    assert [t.medium(h(i)) for i in (1, 2, 3, 4)] == ["host", "host", "disk", "disk"]
+    assert listener.held == {"host": {h(1), h(2)}, "disk": {h(3), h(4)}}
+    assert [bytes(t.read(h(i))) for i in (3, 4)] == [payload(h(3)), payload(h(4))]
+    demote(t, [5])  # held no longer: the oldest slot moves down as ever
+    settle(t)
+    assert [t.medium(h(i)) for i in (1, 5)] == ["disk", "host"]
+    t.close()
+
+
 def test_a_disk_tier_it_cannot_keep_is_refused_naming_the_setting(tmp_path: Path) -> None:
     """A directory it cannot make, or a size more than the disk has free (with the tier's
     own files), refuses the start naming the setting: before, an OSError naming an inner

@@ -207,8 +207,9 @@ class KvTiers:
         """Blocks the pool is about to reuse: keep a copy (``read_into(block_id, slot)``) in the
         host tier (a block the host tier holds already is only marked used), and move its
         oldest blocks down to disk. Blocks already on disk and not in memory are copied into
-        memory again only when the host tier is on. A block is copied only where it will be
-        kept: not while every host slot is held (``holding``), nor into a full write queue."""
+        memory again only when the host tier is on. While every host slot is held
+        (``holding``) a block goes straight to the disk tier, as without a host tier; a block
+        is copied only where it will be kept (not into a full write queue)."""
         stored: list[BlockHash] = []
         victims: list[BlockHash] = []
         with self._lock:
@@ -219,19 +220,12 @@ class KvTiers:
                 if h in self.writing:
                     continue
                 on_disk = self.disk is not None and h in self.disk.files
-                if self.host_capacity:
-                    if not self._free_slots:  # full: its oldest block moves down (or out)
-                        evicted = self._evict_oldest()
-                        if evicted is None:  # every slot held by a promotion: not kept
-                            continue
-                        victims += evicted
-                    slot = self._free_slots.pop()
+                slot = self._take_slot(victims) if self.host_capacity else None
+                if slot is not None:
                     read_into(block_id, self._slot(slot))
                     self.host[h] = slot
                     stored.append(h)
-                elif not on_disk and self.disk is not None:
-                    if not self._write_room():
-                        continue
+                elif not on_disk and self.disk is not None and self._write_room():
                     payload = torch.empty(self.block_nbytes, dtype=torch.uint8)
                     read_into(block_id, payload)
                     self._queue_write(h, payload.numpy())
@@ -243,6 +237,16 @@ class KvTiers:
             victims = [h for h in victims if h not in stored]
             if stored or victims:
                 self._notify("host", stored, victims)
+
+    def _take_slot(self, victims: list[BlockHash]) -> int | None:
+        """A free host slot (the lock is held); when full, the oldest block not ``held``
+        moves down (or out: added to ``victims``). None: every slot is held."""
+        if not self._free_slots:
+            evicted = self._evict_oldest()
+            if evicted is None:
+                return None
+            victims += evicted
+        return self._free_slots.pop()
 
     def _evict_oldest(self) -> list[BlockHash] | None:
         """Free the host tier's least recently used slot not ``held`` (the lock is held): its
