@@ -77,7 +77,7 @@ class CostModel:
         read_blocks: int | None = None,
         block_size: int = 0,
         queue_s: float | None = None,
-        tier: tuple[str, int, float] | None = None,
+        tier: tuple[int, int, float] | None = None,
         read_from: str | None = None,
     ) -> None:
         """Fold one finished request's TTFT (as its worker measured it) into the estimates.
@@ -89,13 +89,13 @@ class CostModel:
         ``queue_s``: how long it waited to be scheduled, when the worker measured it: that
         wait is the queue's, never the prompt's (a request that computed 10 tokens after
         waiting 0.4 s for a free sequence slot must not teach 40 ms per token).
-        ``tier``: (medium, blocks, seconds) of a load from the worker's own host or disk tier.
+        ``tier``: (host blocks, disk blocks, seconds) of a load from the worker's own tiers.
         ``read_from``: the peer every read was from, whose link's cost they teach too.
         """
         queue_part = queue_len * self.t_queue_s if queue_s is None else queue_s
         tier_part = 0.0
-        if tier is not None and tier[1] > 0:
-            self.observe_tier(*tier)
+        if tier is not None and tier[0] + tier[1] > 0:
+            self.observe_tier_load(*tier)
             tier_part = tier[2]
         read_blocks = pulled_blocks if read_blocks is None else read_blocks
         if read_blocks and pull_s is not None:
@@ -157,14 +157,26 @@ class CostModel:
         setattr(self, key, _ema(getattr(self, key), seconds / blocks, self.samples[medium]))
         self.samples[medium] += 1
 
+    def observe_tier_load(self, host_blocks: int, disk_blocks: int, seconds: float) -> None:
+        """A load of ``host_blocks`` from this worker's host tier and ``disk_blocks`` from its
+        disk in ``seconds`` (one figure for both). A mixed load teaches only the disk: its
+        time less what the host blocks cost (as learned), and never less than an even split
+        gives it, as a disk block is no faster than a host one. Before, the whole time was
+        spread over every block, so a few disk blocks behind many host ones taught the
+        router a disk nearly as fast as memory."""
+        if not disk_blocks:
+            self.observe_tier("host", host_blocks, seconds)
+            return
+        even_host_share = seconds * host_blocks / (host_blocks + disk_blocks)
+        host_part = min(host_blocks * self.t_host_block_s, even_host_share)
+        self.observe_tier("disk", disk_blocks, seconds - host_part)
 
-def _tier_load(m: RequestMetrics, block_size: int) -> tuple[str, int, float] | None:
-    """(medium, blocks, seconds) of a request's load from its worker's own tiers, if any (a
-    load counts under the slowest medium it read: its time is one figure for all of it)."""
-    blocks = (m.num_disk_hit_tokens + m.num_host_hit_tokens) // block_size
-    if not blocks:
-        return None
-    return ("disk" if m.num_disk_hit_tokens >= block_size else "host"), blocks, m.kv_load_s
+
+def _tier_load(m: RequestMetrics, block_size: int) -> tuple[int, int, float] | None:
+    """(host blocks, disk blocks, seconds) of a request's load from its worker's own tiers,
+    if any."""
+    host, disk = m.num_host_hit_tokens // block_size, m.num_disk_hit_tokens // block_size
+    return (host, disk, m.kv_load_s) if host + disk else None
 
 
 def _sampled(report: Mapping[str, Any], key: str, sample: str) -> bool:

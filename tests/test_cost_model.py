@@ -63,11 +63,27 @@ def test_a_request_learns_pull_costs_from_its_own_reads_only() -> None:
 
 def test_cost_model_learns_tier_costs() -> None:
     m = CostModel()
-    m.observe(0.5, 100, 0, 0, tier=("disk", 50, 0.1))
+    m.observe(0.5, 100, 0, 0, tier=(0, 50, 0.1))
     assert m.t_disk_block_s == pytest.approx(0.002) and m.samples["disk"] == 1
     assert m.t_token_s == pytest.approx(0.4 / 100)  # the load's time is not the prompt's
-    m.observe(0.1, 0, 0, 0, tier=("host", 100, 0.01))
+    m.observe(0.1, 0, 0, 0, tier=(100, 0, 0.01))
     assert m.t_host_block_s == pytest.approx(1e-4) and m.samples["host"] == 1
+
+
+def test_a_mixed_tier_load_teaches_the_disk_its_own_share() -> None:
+    """100 host blocks (1e-4 s each, learned) and 10 disk blocks loaded in 0.05 s: the disk
+    learns (0.05 - 0.01) / 10 = 4 ms a block. Before, 0.05 / 110 (0.45 ms): the router took
+    the disk for nearly as fast as memory. The host learns nothing from a mixed load."""
+    m = CostModel(t_host_block_s=1e-4, samples={**CostModel().samples, "host": 5})
+    tokens = {"num_host_hit_tokens": 100 * BS, "num_disk_hit_tokens": 10 * BS}
+    loaded = RequestMetrics(0.0, first_scheduled_time=0.0, first_token_time=0.06, **tokens)
+    loaded.kv_load_s = 0.05
+    m.observe_request(loaded, 0, BS)
+    assert m.t_disk_block_s == pytest.approx(4e-3) and m.samples["disk"] == 1
+    assert m.t_host_block_s == 1e-4 and m.samples["host"] == 5
+    # A load faster than the host blocks' learned cost: the disk still gets an even share.
+    m.observe_tier_load(10, 10, 0.001)
+    assert m.t_disk_block_s == pytest.approx((4e-3 + 5e-5) / 2)  # the mean of two samples
 
 
 def test_a_holders_promotions_teach_its_host_block_cost() -> None:
