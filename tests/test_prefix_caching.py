@@ -150,8 +150,8 @@ def test_a_peers_lease_holds_blocks_and_integrity_counts_it() -> None:
     h.prefill(r0)
     h.finish(r0)  # blocks 0 and 1 stay cached, free
     hashes = r0.block_hashes[:2]
-    assert h.manager.pin("lease-a", [*hashes, b"not cached"]) is None  # all or nothing
-    assert h.manager.pin("lease-a", hashes) == [0, 1]
+    assert h.manager.pins.pin("lease-a", [*hashes, b"not cached"]) is None  # all or nothing
+    assert h.manager.pins.pin("lease-a", hashes) == [0, 1]
     h.manager.check_integrity()  # a lease's references are accounted for
     assert h.manager.num_free_blocks == 8  # pinned blocks left the free queue
     # A request hitting the pinned prefix shares the blocks; the lease still holds them.
@@ -162,7 +162,7 @@ def test_a_peers_lease_holds_blocks_and_integrity_counts_it() -> None:
     h.finish(r1)
     assert [b.ref_cnt for b in h.manager.pool.blocks[:2]] == [1, 1]
     h.manager.check_integrity()
-    h.manager.unpin("lease-a")
-    h.manager.unpin("lease-a")  # releasing twice is a no-op
+    h.manager.pins.unpin("lease-a")
+    h.manager.pins.unpin("lease-a")  # releasing twice is a no-op
     assert h.manager.num_free_blocks == 10
     h.manager.check_integrity()

@@ -206,14 +206,14 @@ class TierMachine(RuleBasedStateMachine):
         own KV, and a refusal takes nothing."""
         chain = Request("pin", MACHINE_PROMPTS[i], 2, NAMESPACE).block_hashes[:n]
         kv, free = self.h.manager, self.h.manager.num_free_blocks
-        ids = kv.pin("lease", chain)
-        if ids is None and (disk := kv.to_stage(chain, {})):
-            ids = kv.pin("lease", chain, self.conn.stage(disk))
+        ids = kv.pins.pin("lease", chain)
+        if ids is None and (disk := kv.pins.to_stage(chain, {})):
+            ids = kv.pins.pin("lease", chain, self.conn.stage(disk))
         if ids is None:
             assert kv.num_free_blocks == free and not kv.pins
             return
         assert [self.h.memory[b] for b in ids] == chain
-        kv.unpin("lease")
+        kv.pins.unpin("lease")
 
     @rule()
     def writer_catches_up(self) -> None:

@@ -149,12 +149,12 @@ def test_a_pin_promotes_tier_blocks_into_the_pool_disk_ones_once_staged(
     in_host = next(p for p in PROMPTS if "host" in media(p) and media(p) <= {"pool", "host"})
     on_disk = next(p for p in PROMPTS if media(p) == {"disk"})
     free = kv.num_free_blocks
-    assert kv.pin("on-disk", chain(on_disk)) is None  # disk blocks need their bytes staged
+    assert kv.pins.pin("on-disk", chain(on_disk)) is None  # disk blocks need their bytes staged
     assert kv.num_free_blocks == free and not kv.pins
     kv.check_integrity()
 
     promoted = {x: tiers.read(x) for x in chain(in_host) if tiers.medium(x) == "host"}
-    ids = kv.pin("lease", chain(in_host))
+    ids = kv.pins.pin("lease", chain(in_host))
     assert ids is not None and len(ids) == 9
     for x, block_id in zip(chain(in_host), ids, strict=True):
         assert kv.pool.get_cached_block(x).block_id == block_id
@@ -162,7 +162,7 @@ def test_a_pin_promotes_tier_blocks_into_the_pool_disk_ones_once_staged(
             assert llm.engine.kv_cache.read_block(block_id) == promoted[x]
     assert llm.engine.kv.connector.get_stats()["promoted_blocks"] == len(promoted) > 0
     kv.check_integrity()  # the lease's references counted
-    kv.unpin("lease")
+    kv.pins.unpin("lease")
     kv.check_integrity()
     out = llm.generate([in_host], GREEDY)[0]  # a local hit on the promoted blocks now
     assert out.token_ids == reference[PROMPTS.index(in_host)]
@@ -170,18 +170,18 @@ def test_a_pin_promotes_tier_blocks_into_the_pool_disk_ones_once_staged(
 
     # Staged (read off the step thread, checked), the disk copies are promoted too.
     assert media(on_disk) == {"disk"}
-    assert kv.to_stage(chain(on_disk), {}) == chain(on_disk)
+    assert kv.pins.to_stage(chain(on_disk), {}) == chain(on_disk)
     staged = kv.connector.stage(chain(on_disk))
-    assert kv.to_stage(chain(on_disk), staged) == []
+    assert kv.pins.to_stage(chain(on_disk), staged) == []
     torn = dict(staged)
     del torn[chain(on_disk)[4]]  # a file that failed its check while staged: all or nothing
-    assert kv.pin("on-disk", chain(on_disk), torn) is None and not kv.pins
-    ids = kv.pin("on-disk", chain(on_disk), staged)
+    assert kv.pins.pin("on-disk", chain(on_disk), torn) is None and not kv.pins
+    ids = kv.pins.pin("on-disk", chain(on_disk), staged)
     assert ids is not None and len(ids) == 9
     for x, block_id in zip(chain(on_disk), ids, strict=True):
         assert llm.engine.kv_cache.read_block(block_id) == staged[x] == tiers.read(x)
     kv.check_integrity()
-    kv.unpin("on-disk")
+    kv.pins.unpin("on-disk")
     stats = llm.engine.kv.connector.get_stats()
     assert stats["promoted_blocks"] == len(promoted) + 9 and stats["promote_s"] > 0
     llm.close()
@@ -201,13 +201,13 @@ def test_a_pin_fills_a_hole_in_the_pool_from_the_tiers(reference: list[list[int]
     kv.pool.free_blocks(kv.pool.get_new_blocks(1))
     assert kv.pool.get_cached_block(chain[4]) is None and tiers.medium(chain[4]) == "host"
     assert all(kv.pool.get_cached_block(h) for h in chain[:4] + chain[5:])
-    assert kv.pin("twice", [chain[4], chain[4]]) is None and not kv.pins  # not a chain
-    ids = kv.pin("lease", chain)
+    assert kv.pins.pin("twice", [chain[4], chain[4]]) is None and not kv.pins  # not a chain
+    ids = kv.pins.pin("lease", chain)
     assert ids is not None and len(ids) == 9
     assert [kv.pool.get_cached_block(h).block_id for h in chain] == ids
     assert llm.engine.kv.connector.get_stats()["promoted_blocks"] == 1
     kv.check_integrity()
-    kv.unpin("lease")
+    kv.pins.unpin("lease")
     kv.check_integrity()
     llm.close()
 

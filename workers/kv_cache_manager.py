@@ -15,15 +15,14 @@ and later steps call ``allocate_slots(request, n)`` without ``computed``.
 
 Who holds a reference on a block: requests (``req_to_blocks``), loads whose request was freed
 while they ran (their blocks wait for the load to end), quarantined loads (a transfer that
-could not be stopped may still write them) and peers' leases (``pin``). ``check_integrity``
-counts all four.
+could not be stopped may still write them) and peers' leases (``pins``: workers/kv_pins.py).
+``check_integrity`` counts all four.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvmesh.workers.block_hash import BlockHash
@@ -35,12 +34,12 @@ from kvmesh.workers.kv_allocation import (
     RequestTooLargeError,
 )
 from kvmesh.workers.kv_connector import (
-    BlockBytes,
     KvCacheConnector,
     LoadResult,
     NoopKvCacheConnector,
     PullPlan,
 )
+from kvmesh.workers.kv_pins import Pins
 from kvmesh.workers.request import Request
 
 logger = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class KVCacheManager:
         self.loads: dict[int, _Load] = {}  # background loads in flight, by load id
         self.loading: dict[str, int] = {}  # request id -> its load id
         self.quarantine: dict[int, list[KVBlock]] = {}  # load id -> blocks a transfer may write
-        self.pins: dict[str, list[KVBlock]] = {}  # lease id -> blocks a peer reads
+        self.pins = Pins(self.pool, self.connector, self._register)  # peers' leases
 
     @property
     def num_blocks(self) -> int:
@@ -309,74 +308,6 @@ class KVCacheManager:
             return
         self.pool.free_blocks(blocks[::-1])
 
-    # -- pins for peers -----------------------------------------------------------------------
-
-    def pin(
-        self,
-        lease_id: str,
-        hashes: list[BlockHash],
-        staged: Mapping[BlockHash, BlockBytes] | None = None,
-    ) -> list[int] | None:
-        """Hold the cached blocks of ``hashes`` under ``lease_id`` (a peer reads them); their
-        ids, or None (nothing held) when any hash is not cached here.
-
-        Blocks the pool lacks but the connector's tiers hold (a tail, or a hole: the pool
-        evicts a chain's tail first, and a conversation's later turns come back) are promoted
-        into fresh blocks first (``KvCacheConnector.promote``) and registered, so a peer can
-        pull what this worker keeps in host memory or on disk; blocks kept only on disk come
-        from ``staged`` (see :meth:`to_stage`).
-        """
-        if lease_id in self.pins or len(set(hashes)) != len(hashes):  # a chain never repeats
-            return None
-        blocks = [self.pool.get_cached_block(h) for h in hashes]
-        cached = [b for b in blocks if b is not None]
-        self.pool.touch(cached)  # before promoting: its allocations must not evict them
-        missing = [h for h, b in zip(hashes, blocks, strict=True) if b is None]
-        if missing:
-            promoted = self._promote(missing, staged)
-            if promoted is None:
-                self.pool.free_blocks(cached[::-1])
-                return None
-            fresh = iter(promoted)
-            blocks = [b if b is not None else next(fresh) for b in blocks]
-        held = [b for b in blocks if b is not None]
-        self.pins[lease_id] = held
-        return [b.block_id for b in held]
-
-    def to_stage(
-        self, hashes: list[BlockHash], staged: Mapping[BlockHash, BlockBytes]
-    ) -> list[BlockHash]:
-        """The blocks a :meth:`pin` of ``hashes`` would promote from disk and ``staged`` lacks:
-        the caller reads them (``KvCacheConnector.stage``) off this thread and pins again."""
-        missing = [h for h in hashes if self.pool.get_cached_block(h) is None]
-        return [h for h in self.connector.disk_only(missing) if h not in staged]
-
-    def _promote(
-        self, hashes: list[BlockHash], staged: Mapping[BlockHash, BlockBytes] | None
-    ) -> list[KVBlock] | None:
-        """The connector's tier copies of all of ``hashes``, in fresh registered blocks (one
-        reference each, the pin's); None, and nothing kept, when it lacks any of them."""
-        n = len(hashes)
-        new: list[KVBlock] = []
-
-        def allocate(k: int) -> list[int]:
-            new.extend(self.pool.get_new_blocks(k))  # k <= n <= free (checked below)
-            return [b.block_id for b in new]
-
-        fits = n <= self.pool.num_free_blocks
-        ids = self.connector.promote(hashes, allocate, staged) if fits else []
-        if len(ids) < n:
-            self.pool.free_blocks(new[::-1])
-            return None
-        self._register(hashes, new)
-        return new
-
-    def unpin(self, lease_id: str) -> None:
-        """Drop the lease's hold on its blocks; an unknown lease is a no-op."""
-        blocks = self.pins.pop(lease_id, None)
-        if blocks:
-            self.pool.free_blocks(blocks[::-1])
-
     def get_block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
 
@@ -394,7 +325,7 @@ class KVCacheManager:
         held = sum(len(b) for b in self.req_to_blocks.values())
         orphaned = sum(len(ld.orphaned or ()) for ld in self.loads.values())
         quarantined = sum(len(b) for b in self.quarantine.values())
-        pinned = sum(len(b) for b in self.pins.values())
+        pinned = self.pins.num_refs
         refs = sum(b.ref_cnt for b in self.pool.blocks)
         assert held + orphaned + quarantined + pinned == refs, (
             f"requests hold {held} block refs, finishing loads {orphaned}, quarantine "

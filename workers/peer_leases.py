@@ -84,16 +84,16 @@ class PeerLeases:
             or len(self.leases) >= MAX_LEASES
         ):
             return self._refuse(f"{len(hashes)} blocks for {lease_s!r} s")
-        need = self.kv.to_stage(hashes, staged)
+        need = self.kv.pins.to_stage(hashes, staged)
         if need:
             return ToStage(tuple(need))
         lease_id = secrets.token_hex(16)
-        block_ids = self.kv.pin(lease_id, hashes, staged)
+        block_ids = self.kv.pins.pin(lease_id, hashes, staged)
         if block_ids is None:  # not all of them cached here (any more)
             return None
         ids = frozenset(block_ids)
         if len(ids.union(self.pinned)) > self.max_pinned_blocks:
-            self.kv.unpin(lease_id)
+            self.kv.pins.unpin(lease_id)
             return self._refuse(f"{len(ids)} blocks ({len(self.pinned)} pinned already)")
         with self.lock:
             self.leases[lease_id] = Lease(time.monotonic() + lease_s, ids)
@@ -117,7 +117,7 @@ class PeerLeases:
                     del self.pinned[b]
                 else:
                     self.pinned[b] -= 1
-        self.kv.unpin(lease_id)
+        self.kv.pins.unpin(lease_id)
 
     def expire(self) -> None:
         """Release the leases whose time is up (step thread)."""
