@@ -122,6 +122,24 @@ def test_blocks_demoted_while_every_host_slot_is_held_go_to_disk(tmp_path: Path)
     t.close()
 
 
+def test_a_stop_writes_what_memory_holds_in_its_order_of_use(tmp_path: Path) -> None:
+    """At a stop the host tier's blocks and the pool's are written to disk (before, only
+    evicted blocks reached it, and a restart computed the rest again), as many as the disk
+    keeps, the most recently used kept; the next start's scan finds them in that order."""
+    t, _ = tiers(tmp_path, host_blocks=2, disk_blocks=3)
+    demote(t, [1, 2, 3])  # the host tier keeps 2 and 3, 1 goes down to disk
+    settle(t)
+    # The pool holds 3 (loaded back: its use now the latest), 4 and 5, the most recent.
+    assert t.keep_at_stop([h(3), h(4), h(5)], [3, 4, 5], copy_block) == 3
+    t.close()
+    # Used in the order 1, 2, 3, 4, 5: the disk keeps the last three, 1 gave way, 2 was left.
+    again, listener = tiers(tmp_path, host_blocks=0, disk_blocks=3)
+    assert again.disk is not None and list(again.disk.files) == [h(3), h(4), h(5)]
+    assert listener.held["disk"] == {h(3), h(4), h(5)}
+    assert [bytes(again.read(h(i)) or b"") for i in (3, 4, 5)] == [payload(h(i)) for i in (3, 4, 5)]
+    again.close()
+
+
 def test_a_disk_tier_it_cannot_keep_is_refused_naming_the_setting(tmp_path: Path) -> None:
     """A directory it cannot make, or a size more than the disk has free (with the tier's
     own files), refuses the start naming the setting: before, an OSError naming an inner

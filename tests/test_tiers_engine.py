@@ -124,6 +124,23 @@ def test_a_restarted_worker_announces_its_disk_blocks_and_serves_them(
     second.close()
 
 
+def test_a_stopped_worker_keeps_its_pool_for_the_next_start(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """Three prompts, the pool (24 blocks) holding the last two and the host tier the first:
+    closed and started again, every one loads from disk. Before, only evicted blocks reached
+    disk, and after a restart the prompts that never left the pool were computed again."""
+    kw = {"disk_cache_dir": str(tmp_path), "disk_cache_size": "16MiB"}
+    first = LLM("tiny-random", num_kv_blocks=24, host_cache_memory=12 * 8192, progress=False, **kw)
+    churn(first, reference, 3)
+    first.close()
+    second = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
+    outs = second.generate(PROMPTS[:3], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:3]
+    assert [o.metrics.num_disk_hit_tokens for o in outs] == [144] * 3  # 9 blocks each
+    second.close()
+
+
 def test_a_pin_promotes_tier_blocks_into_the_pool_disk_ones_once_staged(
     tmp_path: Path, reference: list[list[int]]
 ) -> None:

@@ -17,8 +17,9 @@ import os
 import shutil
 import struct
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +142,15 @@ class DiskTier:
         name = block_hash.hex()
         return self.dir / name[:2] / (name + _SUFFIX)
 
+    def set_order(self, hashes: Sequence[BlockHash]) -> None:
+        """Stamp the files of ``hashes`` (least recently used first) with mtimes in that order,
+        all from now on, so that the next ``scan`` keeps this order of use."""
+        now = time.time_ns()
+        for i, block_hash in enumerate(hashes):
+            stamp = now + i * 1000  # a microsecond apart
+            with contextlib.suppress(OSError):  # gone meanwhile: nothing to order
+                os.utime(self.path(block_hash), ns=(stamp, stamp))
+
     def scan(self) -> tuple[list[BlockHash], int]:
         """Adopt the block files found on disk (oldest first); ``(kept, dropped)``.
 
@@ -156,9 +166,9 @@ class DiskTier:
             self._size_file.write_text(str(self.capacity))
         return [h for _, h in found], dropped
 
-    def _scan_files(self) -> tuple[list[tuple[float, BlockHash]], int]:
+    def _scan_files(self) -> tuple[list[tuple[int, BlockHash]], int]:
         self.dir.mkdir(parents=True, exist_ok=True)
-        found: list[tuple[float, BlockHash]] = []
+        found: list[tuple[int, BlockHash]] = []
         dropped = 0
         for path in self.dir.glob("*/*"):
             block_hash = self._check_file(path)
@@ -166,7 +176,7 @@ class DiskTier:
                 dropped += 1
                 remove_file(path)
             else:
-                found.append((path.stat().st_mtime, block_hash))
+                found.append((path.stat().st_mtime_ns, block_hash))
         found.sort()
         for _, block_hash in found:
             self.files[block_hash] = None

@@ -272,7 +272,11 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def close(self) -> None:
-        """Close the connector (its threads; the disk tier finishes its queued writes)."""
+        """Hand the pool's cached blocks to the connector (a disk tier keeps them for the next
+        start), then close it (its threads; the disk tier finishes its writes). Only once no
+        step runs."""
+        blocks = self.kv.cached_blocks()
+        self.kv.connector.on_stop([b.block_hash for b in blocks], [b.block_id for b in blocks])
         self.kv.connector.close()
 
     # -- the step ---------------------------------------------------------------------------

@@ -98,6 +98,14 @@ class KVCacheManager:
         in quarantine: ``poll_loads`` has results still to come."""
         return bool(self.loads or self.quarantine)
 
+    def cached_blocks(self) -> list[KVBlock]:
+        """Every block of the prefix cache, least recently used first: the free ones in
+        eviction order, then those in use."""
+        pool = self.pool
+        free = [pool.blocks[i] for i in pool.free_queue.block_ids()]
+        in_use = [b for b in pool.cached.values() if b.ref_cnt]
+        return [b for b in free if b.block_hash is not None] + in_use
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash in the local prefix cache."""
         return list(self.pool.cached)

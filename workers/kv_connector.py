@@ -227,6 +227,12 @@ class KvCacheConnector(ABC):
         raises. Default: nothing to confirm (False)."""
         return False
 
+    def on_stop(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        """The worker stops, its step thread ended: the pool's cached blocks, least recently
+        used first, which hold the KV of ``hashes`` during this call. A connector that keeps
+        blocks across a restart keeps these (the tiered one writes them to its disk tier,
+        with its host tier's). Called once, right before ``close``."""
+
     def close(self) -> None:
         """The worker is shutting down: flush, deregister, release resources."""
 

@@ -38,6 +38,10 @@ from kvmesh.workers.tier_config import TierConfig, host_slots
 
 logger = logging.getLogger(__name__)
 
+# What a stopping worker spends writing its memory's blocks to disk at most (``keep_at_stop``):
+# within the 10 s its replica gives it to shut down, after its step thread's end.
+STOP_WRITE_BUDGET_S = 4.0
+
 TierListener = Callable[[str, list[BlockHash], list[BlockHash]], None]
 # Copies a pool block (by id) into a host uint8 tensor of the block's bytes (KVCache's
 # read_block_into): the host tier's slot itself, so a demotion is one copy.
@@ -84,6 +88,7 @@ class KvTiers:
                 "disk_corrupt_blocks",
                 "disk_scanned_blocks",
                 "disk_scan_dropped",
+                "disk_kept_at_stop",
             ),
             0,
         )
@@ -365,11 +370,88 @@ class KvTiers:
                 "disk_bytes": disk_bytes,
             }
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def keep_at_stop(
+        self,
+        pool_hashes: Sequence[BlockHash],
+        pool_ids: Sequence[int],
+        read_into: BlockCopier,
+        budget_s: float = STOP_WRITE_BUDGET_S,
+    ) -> int:
+        """The worker stops: write what memory holds to the disk tier, so that a restart finds
+        it there (only evicted blocks reach disk otherwise): the host tier's blocks, then the
+        pool's cached ones (``pool_hashes``, least recently used first, in blocks ``pool_ids``,
+        copied out by ``read_into``). As many as the disk keeps, the most recently used
+        first, so that a ``budget_s`` cut leaves out the least used; the files' order (their
+        mtimes, which the next start's scan reads) stays the order of use. The writer's queue
+        is finished first. The listener is not told: the worker is leaving, and the scan of
+        whoever takes this slot next announces the files. Only once the pool no longer
+        changes (the step thread has stopped). How many blocks were written."""
+        deadline = time.monotonic() + budget_s
+        self._stop_writer(budget_s)
+        if self.disk is None:
+            return 0
+        with self._lock:
+            latest: dict[BlockHash, int | None] = dict.fromkeys(self.host)  # least recent first
+            for h, block_id in zip(pool_hashes, pool_ids, strict=True):
+                latest.pop(h, None)  # in both: the pool's copy is the more recent use
+                latest[h] = block_id
+            chosen = list(latest.items())[max(0, len(latest) - self.disk_capacity) :]
+            for h, _ in chosen:  # already on disk: kept, ahead of the files not chosen
+                if h in self.disk.files:
+                    self.disk.files.move_to_end(h)
+            written = self._write_directly(chosen[::-1], read_into, deadline)
+            order = [h for h, _ in chosen if h in self.disk.files]
+            for h in order:
+                self.disk.files.move_to_end(h)
+            self.disk.set_order(order)
+            self.stats["disk_kept_at_stop"] += written
+        left = len(chosen) - len(order)
+        logger.info(
+            "disk tier: wrote %d blocks at stop for the next start (%d left out: disk size or "
+            "time)",
+            written,
+            left + len(latest) - len(chosen),
+        )
+        return written
+
+    def _write_directly(
+        self, blocks: list[tuple[BlockHash, int | None]], read_into: BlockCopier, deadline: float
+    ) -> int:
+        """Write each block not on disk yet (a host slot's when its id is None, else the pool
+        block's), on this thread, in order, until ``deadline`` (the lock is held)."""
+        assert self.disk is not None
+        buf = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        written = 0
+        for h, block_id in blocks:
+            if h in self.disk.files:
+                continue
+            if time.monotonic() > deadline:
+                break
+            if block_id is None:
+                data = self._slot(self.host[h]).numpy()
+            else:
+                read_into(block_id, buf)
+                data = buf.numpy()
+            try:
+                self.disk.write(h, data)
+            except OSError as e:
+                logger.warning("disk tier: writing blocks at stop failed: %s", e.strerror)
+                break
+            self.disk.files[h] = None
+            self._delete(self._over_budget())
+            written += 1
+        return written
+
+    def _stop_writer(self, timeout_s: float) -> None:
         """Finish the queued disk writes (at most ``timeout_s``) and stop the writer."""
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join(timeout=timeout_s)
             self._writer = None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish the queued disk writes (at most ``timeout_s``), stop the writer and let go of
+        the disk tier's slot."""
+        self._stop_writer(timeout_s)
         if self.disk is not None:
             self.disk.release()

@@ -205,6 +205,10 @@ class TieredKvConnector(KvCacheConnector):
     def get_stats(self) -> dict[str, float]:
         return {**self.inner.get_stats(), **self.tiers.get_stats(), **self.stats}
 
+    def on_stop(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        self.tiers.keep_at_stop(hashes, block_ids, self.read_into)
+        self.inner.on_stop(hashes, block_ids)
+
     def close(self) -> None:
         self._jobs.put(None)
         self._loader.join(timeout=10)

@@ -313,7 +313,13 @@ class Worker:
         )
 
     def shutdown(self) -> None:
+        """Stop the step thread, then close the engine (its disk tier keeps the pool's blocks
+        for the next start). A step thread that did not stop (wedged) may still change the
+        pool: then the connector only closes."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        self.kv.connector.close()
+        if self._thread.is_alive():
+            self.kv.connector.close()
+        else:
+            self.engine.close()
