@@ -7,6 +7,7 @@ import errno
 import fcntl
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier
 from kvmesh.workers.llm import LLM
-from tests.tier_helpers import FP, NBYTES, copy_block, demote, h, payload, settle, tiers
+from tests.tier_helpers import FP, NBYTES, copy_block, demote, files, h, payload, settle, tiers
 
 
 def test_torn_foreign_and_corrupt_files_are_never_served(tmp_path: Path) -> None:
@@ -138,6 +139,20 @@ def test_a_stop_writes_what_memory_holds_in_its_order_of_use(tmp_path: Path) -> 
     assert listener.held["disk"] == {h(3), h(4), h(5)}
     assert [bytes(again.read(h(i)) or b"") for i in (3, 4, 5)] == [payload(h(i)) for i in (3, 4, 5)]
     again.close()
+
+
+def test_a_stop_out_of_time_keeps_the_most_recently_used(tmp_path: Path) -> None:
+    """A stop's writes run out of time (each pool copy takes longer than the budget here):
+    the one written is the most recently used block, not the least."""
+    t, _ = tiers(tmp_path, host_blocks=0, disk_blocks=8)
+
+    def slow_copy(block_id: int, out: torch.Tensor) -> None:
+        time.sleep(0.1)
+        copy_block(block_id, out)
+
+    assert t.keep_at_stop([h(3), h(4), h(5)], [3, 4, 5], slow_copy, budget_s=0.05) == 1
+    t.close()
+    assert files(tmp_path) == {f"{h(5).hex()}.kvb"}
 
 
 def test_a_disk_tier_it_cannot_keep_is_refused_naming_the_setting(tmp_path: Path) -> None:
