@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -142,7 +142,53 @@ class DiskTier:
         name = block_hash.hex()
         return self.dir / name[:2] / (name + _SUFFIX)
 
-    def set_order(self, hashes: Sequence[BlockHash]) -> None:
+    @property
+    def max_files(self) -> int:
+        """The most block files its size keeps."""
+        return self.capacity // self.file_nbytes
+
+    def trim(self) -> list[BlockHash]:
+        """Delete the least recently used files beyond ``max_files``; their hashes."""
+        evicted: list[BlockHash] = []
+        while len(self.files) > self.max_files:
+            evicted.append(self.files.popitem(last=False)[0])
+        for block_hash in evicted:
+            remove_file(self.path(block_hash))
+        return evicted
+
+    def keep(
+        self, blocks: Sequence[tuple[BlockHash, Callable[[], np.ndarray]]], deadline: float
+    ) -> int:
+        """Make ``blocks`` (least recently used first: a hash, and what gives its bytes) the
+        most recently used files, as many as the size keeps: those not on disk are written,
+        the most recently used first, until ``deadline`` (``time.monotonic``) or a failed
+        write, older files beyond the size deleted; then the order of all of them, here and in
+        their mtimes (which the next ``scan`` reads), is theirs. How many were written."""
+        blocks = blocks[max(0, len(blocks) - self.max_files) :]
+        for block_hash, _ in blocks:  # on disk already: ahead of the files not among them
+            if block_hash in self.files:
+                self.files.move_to_end(block_hash)
+        written = 0
+        for block_hash, payload in reversed(blocks):
+            if block_hash in self.files:
+                continue
+            if time.monotonic() > deadline:
+                break
+            try:
+                self.write(block_hash, payload())
+            except OSError as e:
+                logger.warning("disk tier: writing blocks at stop failed: %s", e.strerror)
+                break
+            self.files[block_hash] = None
+            self.trim()
+            written += 1
+        order = [h for h, _ in blocks if h in self.files]
+        for block_hash in order:
+            self.files.move_to_end(block_hash)
+        self._set_order(order)
+        return written
+
+    def _set_order(self, hashes: Sequence[BlockHash]) -> None:
         """Stamp the files of ``hashes`` (least recently used first) with mtimes in that order,
         all from now on, so that the next ``scan`` keeps this order of use."""
         now = time.time_ns()

@@ -21,6 +21,7 @@ Thread-safe: one lock guards the maps; file I/O runs outside it.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import queue
 import threading
@@ -98,7 +99,6 @@ class KvTiers:
         if config.disk_on:
             assert config.disk_dir is not None
             self.disk = DiskTier(config.disk_dir, config.disk_bytes, fingerprint_id, block_nbytes)
-            self.disk_capacity = config.disk_bytes // self.disk.file_nbytes  # in blocks
 
     def start(self) -> list[BlockHash]:
         """Scan the disk tier and start its writer; the blocks found there (announced to the
@@ -109,7 +109,7 @@ class KvTiers:
         self.stats["disk_scanned_blocks"] = len(kept)
         self.stats["disk_scan_dropped"] = dropped
         with self._lock:
-            self._delete(self._over_budget())
+            self._trim_disk()
             kept = [h for h in kept if h in self.disk.files]
             if kept:
                 self._notify("disk", kept, [])
@@ -314,27 +314,18 @@ class KvTiers:
             if written:
                 self.disk.files[block_hash] = None
                 self.stats["disk_written_blocks"] += 1
-            evicted = self._over_budget()
-            self._delete(evicted)
+            evicted = self._trim_disk()
             if written or evicted:
                 self._notify("disk", [block_hash] if written else [], evicted)
             if block_hash not in self.host:  # it left memory now (written or not)
                 self._notify("host", [], [block_hash])
 
-    def _over_budget(self) -> list[BlockHash]:
-        """Take the oldest files beyond the disk budget out of the map (the lock is held);
-        their hashes, for ``_delete``."""
+    def _trim_disk(self) -> list[BlockHash]:
+        """Delete the oldest files beyond the disk budget (the lock is held); their hashes."""
         assert self.disk is not None
-        evicted: list[BlockHash] = []
-        while len(self.disk.files) > self.disk_capacity:
-            evicted.append(self.disk.files.popitem(last=False)[0])
+        evicted = self.disk.trim()
         self.stats["disk_evicted_blocks"] += len(evicted)
         return evicted
-
-    def _delete(self, evicted: list[BlockHash]) -> None:
-        assert self.disk is not None
-        for h in evicted:
-            remove_file(self.disk.path(h))
 
     def wait_written(self, timeout_s: float = 10.0) -> bool:
         """Wait until the writer has finished every queued block (tests, benches)."""
@@ -377,15 +368,12 @@ class KvTiers:
         read_into: BlockCopier,
         budget_s: float = STOP_WRITE_BUDGET_S,
     ) -> int:
-        """The worker stops: write what memory holds to the disk tier, so that a restart finds
-        it there (only evicted blocks reach disk otherwise): the host tier's blocks, then the
-        pool's cached ones (``pool_hashes``, least recently used first, in blocks ``pool_ids``,
-        copied out by ``read_into``). As many as the disk keeps, the most recently used
-        first, so that a ``budget_s`` cut leaves out the least used; the files' order (their
-        mtimes, which the next start's scan reads) stays the order of use. The writer's queue
-        is finished first. The listener is not told: the worker is leaving, and the scan of
-        whoever takes this slot next announces the files. Only once the pool no longer
-        changes (the step thread has stopped). How many blocks were written."""
+        """The worker stops (its pool no longer changes): write what memory holds to disk, so
+        that a restart finds it (only evicted blocks reach disk otherwise): the host tier's
+        blocks, then the pool's cached ones (``pool_hashes``, least recently used first, in
+        blocks ``pool_ids``, copied by ``read_into``), through ``DiskTier.keep`` within
+        ``budget_s``, after the writer's queue. The listener is not told: the worker is
+        leaving, and the next scan of its slot announces them. How many were written."""
         deadline = time.monotonic() + budget_s
         self._stop_writer(budget_s)
         if self.disk is None:
@@ -395,51 +383,19 @@ class KvTiers:
             for h, block_id in zip(pool_hashes, pool_ids, strict=True):
                 latest.pop(h, None)  # in both: the pool's copy is the more recent use
                 latest[h] = block_id
-            chosen = list(latest.items())[max(0, len(latest) - self.disk_capacity) :]
-            for h, _ in chosen:  # already on disk: kept, ahead of the files not chosen
-                if h in self.disk.files:
-                    self.disk.files.move_to_end(h)
-            written = self._write_directly(chosen[::-1], read_into, deadline)
-            order = [h for h, _ in chosen if h in self.disk.files]
-            for h in order:
-                self.disk.files.move_to_end(h)
-            self.disk.set_order(order)
-            self.stats["disk_kept_at_stop"] += written
-        left = len(chosen) - len(order)
-        logger.info(
-            "disk tier: wrote %d blocks at stop for the next start (%d left out: disk size or "
-            "time)",
-            written,
-            left + len(latest) - len(chosen),
-        )
-        return written
+            buf = torch.empty(self.block_nbytes, dtype=torch.uint8)
 
-    def _write_directly(
-        self, blocks: list[tuple[BlockHash, int | None]], read_into: BlockCopier, deadline: float
-    ) -> int:
-        """Write each block not on disk yet (a host slot's when its id is None, else the pool
-        block's), on this thread, in order, until ``deadline`` (the lock is held)."""
-        assert self.disk is not None
-        buf = torch.empty(self.block_nbytes, dtype=torch.uint8)
-        written = 0
-        for h, block_id in blocks:
-            if h in self.disk.files:
-                continue
-            if time.monotonic() > deadline:
-                break
-            if block_id is None:
-                data = self._slot(self.host[h]).numpy()
-            else:
+            def payload(h: BlockHash) -> np.ndarray:
+                if (block_id := latest[h]) is None:
+                    return self._slot(self.host[h]).numpy()
                 read_into(block_id, buf)
-                data = buf.numpy()
-            try:
-                self.disk.write(h, data)
-            except OSError as e:
-                logger.warning("disk tier: writing blocks at stop failed: %s", e.strerror)
-                break
-            self.disk.files[h] = None
-            self._delete(self._over_budget())
-            written += 1
+                return buf.numpy()
+
+            blocks = [(h, functools.partial(payload, h)) for h in latest]
+            written = self.disk.keep(blocks, deadline)
+            self.stats["disk_kept_at_stop"] += written
+            left = sum(h not in self.disk.files for h in latest)
+        logger.info("disk tier: wrote %d blocks at stop (%d left out: size, time)", written, left)
         return written
 
     def _stop_writer(self, timeout_s: float) -> None:
