@@ -26,7 +26,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -35,6 +34,7 @@ import torch
 
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.disk_tier import DiskTier, remove_file
+from kvmesh.workers.host_slots import HostSlots
 from kvmesh.workers.tier_config import TierConfig, host_slots
 
 logger = logging.getLogger(__name__)
@@ -66,16 +66,8 @@ class KvTiers:
         self.block_nbytes = block_nbytes
         self.listener = listener
         self._lock = threading.Lock()
-        self.host: OrderedDict[BlockHash, int] = OrderedDict()  # LRU, oldest first -> slot
-        self.host_capacity = host_slots(config.host_bytes, block_nbytes)  # in blocks
-        if host_memory is None:
-            host_memory = torch.zeros(self.host_capacity * block_nbytes, dtype=torch.uint8)
-        self._slab = host_memory.reshape(-1)  # its own memory, not a copy
-        if self._slab.numel() != self.host_capacity * block_nbytes:
-            raise ValueError("host_memory: not the host tier's size")
-        self._free_slots = list(range(self.host_capacity - 1, -1, -1))
-        # Host blocks a promotion copies from (``holding``): their slots are not reused.
-        self._held: set[BlockHash] = set()
+        capacity = host_slots(config.host_bytes, block_nbytes)
+        self.host = HostSlots(capacity, block_nbytes, host_memory)
         # Blocks on their way to disk: still readable, and still host blocks to the index.
         self.writing: dict[BlockHash, np.ndarray] = {}
         self.stats = dict.fromkeys(
@@ -145,9 +137,7 @@ class KvTiers:
         tier's least recently used blocks, which must not be these. The chain's head last:
         a load stops at its first missing block, so under pressure its tail goes first."""
         with self._lock:
-            for h in reversed(hashes):
-                if h in self.host:
-                    self.host.move_to_end(h)
+            self.host.touch(hashes)
 
     @contextmanager
     def holding(self, hashes: Sequence[BlockHash]) -> Iterator[list[torch.Tensor | None]]:
@@ -158,12 +148,12 @@ class KvTiers:
         thread, which alone reuses a slot."""
         with self._lock:
             views = [self._in_memory(h) for h in hashes]
-            self._held = {h for h in hashes if h in self.host}
+            self.host.held = {h for h in hashes if h in self.host}
         try:
             yield views
         finally:
             with self._lock:
-                self._held = set()
+                self.host.held = set()
 
     def memory_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The block's bytes where host memory holds them, not copied: only for the step
@@ -172,15 +162,10 @@ class KvTiers:
             return self._in_memory(block_hash)
 
     def _in_memory(self, block_hash: BlockHash) -> torch.Tensor | None:
-        slot = self.host.get(block_hash)
-        if slot is None:
-            pending = self.writing.get(block_hash)
-            return None if pending is None else torch.from_numpy(pending)
-        self.host.move_to_end(block_hash)
-        return self._slot(slot)
-
-    def _slot(self, slot: int) -> torch.Tensor:
-        return self._slab[slot * self.block_nbytes : (slot + 1) * self.block_nbytes]
+        view = self.host.view(block_hash)
+        if view is None and (pending := self.writing.get(block_hash)) is not None:
+            return torch.from_numpy(pending)
+        return view
 
     def read(self, block_hash: BlockHash) -> memoryview | None:
         """A copy of the block's bytes from memory or disk (a torn file is deleted: None)."""
@@ -220,15 +205,18 @@ class KvTiers:
         with self._lock:
             for h, block_id in zip(hashes, ids, strict=True):
                 if h in self.host:
-                    self.host.move_to_end(h)
+                    self.host.touch([h])
                     continue
                 if h in self.writing:
                     continue
                 on_disk = self.disk is not None and h in self.disk.files
-                slot = self._take_slot(victims) if self.host_capacity else None
-                if slot is not None:
-                    read_into(block_id, self._slot(slot))
-                    self.host[h] = slot
+                taken = self.host.take() if self.host.capacity else None
+                if taken is not None:
+                    slot, displaced = taken
+                    if displaced is not None:
+                        victims += self._moved_down(*displaced)
+                    read_into(block_id, self.host.slot(slot))
+                    self.host.put(h, slot)
                     stored.append(h)
                 elif not on_disk and self.disk is not None and self._write_room():
                     payload = torch.empty(self.block_nbytes, dtype=torch.uint8)
@@ -243,30 +231,15 @@ class KvTiers:
             if stored or victims:
                 self._notify("host", stored, victims)
 
-    def _take_slot(self, victims: list[BlockHash]) -> int | None:
-        """A free host slot (the lock is held); when full, the oldest block not ``held``
-        moves down (or out: added to ``victims``). None: every slot is held."""
-        if not self._free_slots:
-            evicted = self._evict_oldest()
-            if evicted is None:
-                return None
-            victims += evicted
-        return self._free_slots.pop()
-
-    def _evict_oldest(self) -> list[BlockHash] | None:
-        """Free the host tier's least recently used slot not ``held`` (the lock is held): its
-        block is queued for the disk, and stays a host block until written, or leaves the
-        tiers (then returned, for the listener). None: every slot is held."""
-        h = next((k for k in self.host if k not in self._held), None)
-        if h is None:
-            return None
-        slot = self.host.pop(h)
-        self._free_slots.append(slot)
+    def _moved_down(self, h: BlockHash, data: torch.Tensor) -> list[BlockHash]:
+        """Block ``h`` left the host tier, its bytes ``data`` still in its slot (the lock is
+        held): it is queued for the disk, and stays a host block until written, or leaves
+        the tiers (then returned, for the listener)."""
         self.stats["host_evicted_blocks"] += 1
         on_disk = self.disk is not None and h in self.disk.files
         if on_disk or self.disk is None or not self._write_room():
             return [h]
-        self._queue_write(h, self._slot(slot).numpy().copy())  # a copy: the slot is reused
+        self._queue_write(h, data.numpy().copy())  # a copy: the slot is reused
         return []
 
     def _write_room(self) -> bool:
@@ -387,7 +360,9 @@ class KvTiers:
 
             def payload(h: BlockHash) -> np.ndarray:
                 if (block_id := latest[h]) is None:
-                    return self._slot(self.host[h]).numpy()
+                    view = self.host.view(h)
+                    assert view is not None  # nothing leaves the host tier at a stop
+                    return view.numpy()
                 read_into(block_id, buf)
                 return buf.numpy()
 
