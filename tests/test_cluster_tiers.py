@@ -1,6 +1,7 @@
 """Tiers on real worker actors (Ray, NIXL, the index): the index learns each worker's blocks
 per medium, a worker killed and replaced on the same disk announces the blocks it finds there
-again, and serves them with the outputs of a worker that computed them."""
+again, and serves them with the outputs of a worker that computed them; one stopped cleanly
+leaves its pool's blocks there too."""
 
 from __future__ import annotations
 
@@ -84,6 +85,29 @@ def test_the_index_knows_disk_blocks_and_a_replacement_announces_them(tmp_path: 
         assert stats["disk_scanned_blocks"] >= len(hashes) and stats["disk_corrupt_blocks"] == 0
     finally:
         stop_workers([w for w in (a, plain, replacement) if w is not None])
+
+
+def test_a_worker_stopped_as_its_replica_stops_it_leaves_its_pool_on_disk(
+    tmp_path: Path,
+) -> None:
+    """Stopped as a replica stops its worker (``shutdown``, then killed), a worker first
+    writes the blocks its pool holds to disk: its replacement loads a prompt that never left
+    the pool. Before, only evicted blocks reached disk, and the replacement computed it."""
+    kw = {"num_kv_blocks": 24, "disk_cache_dir": str(tmp_path), "disk_cache_size": "4MiB"}
+    (a,) = start_workers(1, **kw)
+    replacement = None
+    try:
+        ids = prompt(7)
+        first = ray.get(a.generate.remote(ids, GREEDY))
+        stats = ray.get(a.connector_stats.remote())
+        assert stats["disk_blocks"] == 0  # nothing was evicted: all of it is in the pool
+        stop_workers([a])
+        (replacement,) = start_workers(1, **kw)
+        out = ray.get(replacement.generate.remote(ids, GREEDY))
+        assert out.token_ids == first.token_ids
+        assert out.metrics.num_disk_hit_tokens == (len(ids) - 1) // BS * BS
+    finally:
+        stop_workers([w for w in (a, replacement) if w is not None])
 
 
 @pytest.mark.parametrize("medium", ["host", "disk"])
