@@ -324,6 +324,23 @@ def test_a_host_tier_larger_than_the_machine_is_refused() -> None:
         make_llm(host_cache_memory="64TiB")
 
 
+@pytest.mark.parametrize(
+    ("setting", "kw"),
+    [
+        ("host_cache_memory", {"host_cache_memory": "1KiB"}),
+        ("disk_cache_size", {"disk_cache_size": "2KiB"}),  # a block file: the block and a header
+    ],
+)
+def test_a_tier_that_holds_no_block_is_refused(setting: str, kw: dict, tmp_path) -> None:
+    """tiny-random's block (4 tokens, all layers) takes 2 KiB. Before, a tier set on with less
+    came up holding nothing, and every block meant for it was computed again, unsaid."""
+    kw.setdefault("disk_cache_dir", str(tmp_path))
+    said = rf"{setting}: '.KiB' holds no block of 4 tokens for this model \(one takes 2\.\d KiB"
+    with pytest.raises(ValueError, match=said):
+        make_llm(**kw)
+    assert not list(tmp_path.rglob("*.kvb"))
+
+
 def test_requests_arriving_together_compute_a_shared_prefix_once() -> None:
     llm = make_llm(num_kv_blocks=128, max_num_batched_tokens=512)
     shared = prompts(9, 1, shared=40)[0][:40]  # 10 full blocks of 4

@@ -37,6 +37,11 @@ _HEADER = struct.Struct("<4sH16s16sQQ")
 _SUFFIX = ".kvb"
 
 
+def block_file_nbytes(block_nbytes: int) -> int:
+    """Bytes of one block's file: its header and the block."""
+    return _HEADER.size + block_nbytes
+
+
 class DiskTier:
     """Block files under one directory, LRU by the order they were written or read.
 
@@ -69,7 +74,7 @@ class DiskTier:
         self.capacity = capacity
         self.fingerprint = fingerprint_id.encode("ascii")
         self.block_nbytes = block_nbytes
-        self.file_nbytes = _HEADER.size + block_nbytes
+        self.file_nbytes = block_file_nbytes(block_nbytes)
         self.files: OrderedDict[BlockHash, None] = OrderedDict()  # LRU, oldest first
 
     @property

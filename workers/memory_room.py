@@ -29,9 +29,10 @@ from pathlib import Path
 import psutil
 import torch
 
+from kvmesh.workers.disk_tier import block_file_nbytes
 from kvmesh.workers.engine_config import EngineConfig, context_len
 from kvmesh.workers.kv_cache import KVCache
-from kvmesh.workers.memory_size import gib, parse_memory
+from kvmesh.workers.memory_size import gib, parse_memory, size_text
 from kvmesh.workers.model_config import ModelConfig
 from kvmesh.workers.tier_config import host_slots
 
@@ -159,6 +160,7 @@ def allocate_kv_cache(
             f"kv_cache_memory: {config.kv_cache_memory!r} holds no block of "
             f"{config.block_size} tokens for this model"
         )
+    check_tiers_hold_a_block(config, KVCache.nbytes_for(model, 1, config.block_size, kv_dtype))
     max_model_len = context_len(config, model.max_position_embeddings, num_blocks)
     with kv_memory_turn():
         check_kv_memory(
@@ -170,6 +172,26 @@ def allocate_kv_cache(
         cache = KVCache.allocate(model, num_blocks, config.block_size, kv_dtype, device)
         host = host_tier_memory(config.tier_config.host_bytes, cache.block_bytes_all_layers, device)
     return cache, host, max_model_len
+
+
+def check_tiers_hold_a_block(config: EngineConfig, block_nbytes: int) -> None:
+    """Refuses (ValueError naming the setting) a tier that is on but holds no whole block: it
+    would keep nothing, and every block meant for it would be computed again."""
+    tiers = config.tier_config
+    for setting, value, budget, need in (
+        ("host_cache_memory", config.host_cache_memory, tiers.host_bytes, block_nbytes),
+        (
+            "disk_cache_size",
+            config.disk_cache_size,
+            tiers.disk_bytes,
+            block_file_nbytes(block_nbytes),
+        ),
+    ):
+        if 0 < budget < need:
+            raise ValueError(
+                f"{setting}: {value!r} holds no block of {config.block_size} tokens for this "
+                f"model (one takes {size_text(need)}); raise it, or set 0 for no such tier"
+            )
 
 
 def host_tier_memory(

@@ -57,3 +57,12 @@ def memory_setting(name: str, value: str | int) -> int:
 def gib(nbytes: int) -> str:
     """Bytes as people read a memory or disk size in a message: "1.50 GiB"."""
     return f"{nbytes / 1024**3:.2f} GiB"
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes in the largest binary unit they fill, as in a message: "2.0 KiB", "4.5 MiB"."""
+    for unit in ("GiB", "MiB", "KiB"):
+        scale = _UNITS[unit.lower()]
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
