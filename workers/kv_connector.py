@@ -10,8 +10,10 @@ that talks to peers does that on threads of its own.
    and other requests run). ``plan`` is the cluster router's ``PullPlan`` for the request,
    relative to ``hashes``, when one came with it; it is passed only when there is one.
    What ``lookup`` may keep: answers to the queries it started (keyed by the hashes asked
-   about), as a cache it may drop at any time. Nothing a load needs: a load never depends on
-   an earlier ``lookup``, and the manager may never start one (the pool may be too full).
+   about), as a cache it may drop at any time; a local tier may keep the blocks it found from
+   its own eviction until the load starts (or the next ``lookup``). Nothing a load needs: a
+   load never depends on an earlier ``lookup``, and the manager may never start one (the
+   pool may be too full).
 2. The manager allocates that many fresh local blocks and calls ``start_load(load_id, hashes,
    block_ids, plan)``. The manager picks the block ids (fresh, held by this request only), so
    a connector can never hand back ids of blocks it did not fill. Either the load completes

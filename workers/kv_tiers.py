@@ -131,13 +131,20 @@ class KvTiers:
                     return i
         return len(hashes)
 
-    def touch(self, hashes: Sequence[BlockHash]) -> None:
-        """Mark the host tier's copies of ``hashes`` the most recently used: a load of them
-        allocates pool blocks first, and the demotions that allocation causes evict the host
-        tier's least recently used blocks, which must not be these. The chain's head last:
-        a load stops at its first missing block, so under pressure its tail goes first."""
+    def keep_for_load(self, hashes: Sequence[BlockHash]) -> None:
+        """Mark the host tier's copies of ``hashes`` the most recently used and keep their
+        slots from reuse until ``release``: a load of them allocates pool blocks first, and
+        the demotions that allocation causes must not push out the blocks it is about to copy
+        (with every other slot held, they go straight to disk). The chain's head last: a load
+        stops at its first missing block, so under pressure its tail goes first."""
         with self._lock:
             self.host.touch(hashes)
+            self.host.held = {h for h in hashes if h in self.host}
+
+    def release(self) -> None:
+        """Let the held slots (``keep_for_load``, ``holding``) be reused again."""
+        with self._lock:
+            self.host.held = set()
 
     @contextmanager
     def holding(self, hashes: Sequence[BlockHash]) -> Iterator[list[torch.Tensor | None]]:
@@ -152,8 +159,7 @@ class KvTiers:
         try:
             yield views
         finally:
-            with self._lock:
-                self.host.held = set()
+            self.release()
 
     def memory_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The block's bytes where host memory holds them, not copied: only for the step

@@ -5,7 +5,8 @@ Behind the seam, in the manager's order:
   tiers keep a copy of its bytes (``KvTiers.demote``).
 - ``lookup``: the tiers' depth and the inner connector's answer (a peer's), the larger; None
   while the inner one does not know yet and the tiers cannot cover everything. The host
-  blocks found are marked used, so the load's own allocation does not demote them away.
+  blocks found keep their slots until ``start_load`` (``KvTiers.keep_for_load``), so the
+  load's own allocation does not demote them away.
 - ``start_load``: from the tiers when they hold every asked block, else from the inner
   connector. Blocks all in host memory are copied in at once (memory copies, like a step's
   own work); a load that reads disk runs on the tier loader's thread and ``poll_loads``
@@ -84,7 +85,7 @@ class TieredKvConnector(KvCacheConnector):
 
     def lookup(self, hashes: Sequence[BlockHash], plan: PullPlan | None = None) -> int | None:
         n_tier = self.tiers.depth(hashes)
-        self.tiers.touch(hashes[:n_tier])  # before the load's allocation demotes others
+        self.tiers.keep_for_load(hashes[:n_tier])  # until start_load, past its allocation
         if n_tier == len(hashes):
             return n_tier
         n_inner = self.inner.lookup(hashes) if plan is None else self.inner.lookup(hashes, plan)
@@ -100,13 +101,19 @@ class TieredKvConnector(KvCacheConnector):
         plan: PullPlan | None = None,
     ) -> LoadResult | None:
         media = [self.tiers.medium(h) for h in hashes]
+        if None in media or "disk" in media:
+            # Not copied here and now: the reader thread copies host blocks as it meets them.
+            self.tiers.release()
         if None in media:  # a peer has more than the tiers: pull it all
             return self.inner.start_load(load_id, hashes, block_ids, plan)
         self.stats["tier_loads"] += 1
         if "disk" in media:
             self._jobs.put((load_id, list(hashes), list(block_ids)))
             return None
-        return self._load(load_id, list(hashes), list(block_ids))
+        try:
+            return self._load(load_id, list(hashes), list(block_ids))
+        finally:
+            self.tiers.release()
 
     def _load(
         self, load_id: int, hashes: list[BlockHash], block_ids: list[int], from_disk: bool = False
