@@ -40,6 +40,7 @@ TIER_STATS = (
     "host_loaded_blocks",
     "disk_loaded_blocks",
     "disk_corrupt_blocks",
+    "disk_missing_blocks",
     "disk_write_errors",
     "disk_writes_dropped",
     "disk_evicted_blocks",
@@ -49,6 +50,11 @@ TIER_STATS = (
 _TIER_COUNTERS = (
     ("tier_demoted_blocks", "demoted_blocks", "Blocks copied out before the pool reused them"),
     ("disk_corrupt_blocks", "disk_corrupt_blocks", "Disk tier blocks found torn or corrupt"),
+    (
+        "disk_missing_blocks",
+        "disk_missing_blocks",
+        "Disk tier blocks whose file was gone when read (deleted outside kvmesh)",
+    ),
     ("disk_write_errors", "disk_write_errors", "Disk tier writes that failed (e.g. disk full)"),
     (
         "disk_writes_dropped",

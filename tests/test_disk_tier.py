@@ -49,6 +49,31 @@ def test_torn_foreign_and_corrupt_files_are_never_served(tmp_path: Path) -> None
     t2.close()
 
 
+def test_files_deleted_outside_kvmesh_are_counted_as_gone_not_corrupt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator empties the cache directory while the worker runs: every read of a vanished
+    file is a miss (its tokens computed) and leaves the index. Before, each was logged and
+    counted as torn or corrupt (``disk_corrupt_blocks``: a failing disk, to whoever watches
+    /metrics). Now they count as gone, with one warning, and the next writes make the
+    directory again."""
+    t, listener = tiers(tmp_path, host_blocks=0, disk_blocks=10)
+    demote(t, range(4))
+    settle(t)
+    shutil.rmtree(tmp_path / FP)
+    with caplog.at_level("DEBUG", logger="kvmesh.workers.kv_tiers"):
+        assert [t.read(h(i)) for i in range(4)] == [None] * 4
+    stats = t.get_stats()
+    assert (stats["disk_missing_blocks"], stats["disk_corrupt_blocks"]) == (4, 0)
+    assert not t.disk.files and not listener.held["disk"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "deleted outside kvmesh" in warnings[0], warnings
+    demote(t, [5])
+    settle(t)
+    assert t.read(h(5)) == payload(h(5))
+    t.close()
+
+
 def test_workers_sharing_a_directory_take_slots_of_their_own(tmp_path: Path) -> None:
     a, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)
     b, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)

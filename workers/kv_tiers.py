@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -79,6 +80,7 @@ class KvTiers:
                 "disk_write_errors",
                 "disk_writes_dropped",
                 "disk_corrupt_blocks",
+                "disk_missing_blocks",
                 "disk_scanned_blocks",
                 "disk_scan_dropped",
                 "disk_kept_at_stop",
@@ -174,7 +176,8 @@ class KvTiers:
         return view
 
     def read(self, block_hash: BlockHash) -> memoryview | None:
-        """A copy of the block's bytes from memory or disk (a torn file is deleted: None)."""
+        """A copy of the block's bytes from memory or disk; None where they are not whole (a
+        torn file is deleted) or their file is gone."""
         with self._lock:
             held = self._in_memory(block_hash)
             if held is not None:
@@ -189,10 +192,21 @@ class KvTiers:
                 self.disk.files.move_to_end(block_hash)
                 return payload
             del self.disk.files[block_hash]
-            self.stats["disk_corrupt_blocks"] += 1
-            remove_file(self.disk.path(block_hash))
+            path = self.disk.path(block_hash)
+            gone = not os.path.exists(path)  # never raises (a directory made unreadable)
+            self.stats["disk_missing_blocks" if gone else "disk_corrupt_blocks"] += 1
+            remove_file(path)
             self._notify("disk", [], [block_hash])
-        logger.warning("disk tier: block %s is torn or corrupt; computing it", block_hash.hex())
+            first_gone = gone and self.stats["disk_missing_blocks"] == 1
+        if not gone:
+            logger.warning("disk tier: block %s is torn or corrupt; computing it", block_hash.hex())
+        else:  # a directory emptied by hand vanishes a file at a time: said once
+            logger.log(
+                logging.WARNING if first_gone else logging.DEBUG,
+                "disk tier: block files are gone from %s (deleted outside kvmesh?); their "
+                "tokens are computed (disk_missing_blocks counts them)",
+                self.disk.dir,
+            )
         return None
 
     # -- demotion (the step thread) -----------------------------------------------------------
