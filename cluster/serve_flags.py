@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from kvmesh.cluster.config import DTYPES, ServeConfig, load_yaml, with_env_api_key
+from kvmesh.workers.tokenizer_loader import KNOWN_MODELS
 
 # Flags that map 1:1 onto ServeConfig fields (the CLI spelling uses dashes).
 _FLAGS: dict[str, dict[str, Any]] = {
@@ -118,4 +120,28 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             settings[flag.replace("-", "_")] = value
     if args.no_connector:
         settings["connector"] = False
-    return ServeConfig.from_dict(with_env_api_key(settings))
+    return ServeConfig.from_dict(with_env_api_key(shell_paths(settings)))
+
+
+# Settings that name a file or directory on the nodes that run workers or proxies.
+_PATH_SETTINGS = ("disk_cache_dir", "ssl_keyfile", "ssl_certfile")
+
+
+def shell_paths(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with relative paths made absolute from this shell's directory, as whoever
+    typed them meant them: Ray runs workers and proxies in the directory where their node's
+    ``ray start`` ran, which is this one only when ``kvmesh serve`` starts Ray itself. A model
+    is a path only when it is a file or directory here (not a known name); the name clients
+    send stays the one given."""
+    out = dict(settings)
+    for name in _PATH_SETTINGS:
+        if isinstance(out.get(name), str) and out[name]:
+            out[name] = os.path.abspath(os.path.expanduser(out[name]))
+    model = out.get("model")
+    if isinstance(model, str) and model not in KNOWN_MODELS:
+        path = os.path.expanduser(model)
+        if os.path.exists(path) and not os.path.isabs(model):
+            if out.get("served_model_name") is None:
+                out["served_model_name"] = model
+            out["model"] = os.path.abspath(path)
+    return out

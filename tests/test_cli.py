@@ -61,3 +61,31 @@ def test_a_settings_file_that_is_not_yaml_text_is_named(tmp_path) -> None:
         assert f"kvmesh: error: config: {config} is not" in out.stderr, out.stderr
         assert said.format(path=config) in out.stderr, out.stderr
         assert "Traceback" not in out.stderr and "<unicode string>" not in out.stderr
+
+
+def test_paths_in_serve_settings_are_this_shells(tmp_path, monkeypatch) -> None:
+    """Ray starts workers and proxies in the directory their node's `ray start` ran in, not
+    this shell's: before, `kvmesh serve --address ... --disk-cache-dir kv` made `kv` there
+    (measured: a driver in one directory, a head started in another; the worker's cwd was
+    the head's), and a relative model or TLS file passed the CLI's checks here and was
+    missing there. Now they are made absolute where they were typed; the name clients send
+    stays the model as given."""
+    import argparse
+
+    from kvmesh.cluster.serve_flags import add_serve_args, config_from_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "serve.yaml").write_text("ssl_keyfile: k.pem\nssl_certfile: c.pem\n")
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    argv = ["--config", "serve.yaml", "--disk-cache-dir", "kv", "--model", "m.gguf"]
+    config = config_from_args(p.parse_args(argv))
+    assert config.disk_cache_dir == str(tmp_path / "kv")
+    assert (config.ssl_keyfile, config.ssl_certfile) == (
+        str(tmp_path / "k.pem"),
+        str(tmp_path / "c.pem"),
+    )
+    assert config.model == str(tmp_path / "m.gguf") and config.model_name == "m.gguf"
+    known = config_from_args(p.parse_args(["--model", "tiny-random", "--disk-cache-dir", "/kv"]))
+    assert (known.model, known.model_name, known.disk_cache_dir) == ("tiny-random",) * 2 + ("/kv",)
