@@ -264,10 +264,31 @@ def stop_serving(started_serve: bool, owner: str) -> None:
     now = app_owner(details)
     if now == owner:
         serve.delete(APP_NAME)
+        remove_index_actors()
     elif now is not None:
         print(f"kvmesh: the app is now {now}'s (--replace); left it running", flush=True)
     if started_serve and not serve.status().applications:
         serve.shutdown()
+
+
+def remove_index_actors() -> None:
+    """End the cluster's kvmesh index actors, once its kvmesh app (a cluster runs one) is
+    deleted: detached so that they outlive the workers that create them, they would outlive
+    the app too, an idle process per model on a cluster that outlives ``kvmesh serve``. A
+    later app's workers create their index again."""
+    import ray
+
+    from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
+
+    try:
+        named = ray.util.list_named_actors(all_namespaces=True)
+    except Exception as e:  # the stop goes on: an idle index is no reason to fail it
+        logger.warning("kvmesh: could not list the index actors to end them: %s", e)
+        return
+    for actor in named:
+        if actor["name"].startswith(ACTOR_NAME_PREFIX):
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(actor["name"], actor["namespace"]), no_restart=True)
 
 
 def serve_forever(config: ServeConfig, address: str = "auto", replace: bool = False) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 import trustme
 from ray import serve
 
@@ -21,6 +22,7 @@ from kvmesh.cluster.launch import (
     stop_serving,
 )
 from kvmesh.cluster.serve_app import APP_NAME, deploy
+from kvmesh.connector.index_actor import ACTOR_NAME_PREFIX
 from tests.ray_fixtures import ray_session  # noqa: F401
 from tests.serve_helpers import SERVE_PORT, tiny_config, undeploy
 
@@ -91,15 +93,24 @@ def test_deploy_refuses_an_address_or_https_serve_would_ignore(tmp_path: Path) -
     assert app_owner(serve_details()) == FIRST
 
 
+def index_actors() -> list[str]:
+    """The kvmesh index actors alive in this Ray cluster."""
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in named if a["name"].startswith(ACTOR_NAME_PREFIX)]
+
+
 @pytest.mark.usefixtures("two_apps")
 def test_stop_deletes_only_its_own_app() -> None:
     # SECOND replaced FIRST's app (--replace): FIRST's stop leaves it, and Serve, running.
     deploy(tiny_config(), owner=SECOND)
     stop_serving(started_serve=True, owner=FIRST)
     assert APP_NAME in serve.status().applications
+    assert index_actors()  # the running app's index, kept
     # SECOND's stop deletes it; the other tenant's app and Serve stay, although this stop
-    # claims to have started Serve.
+    # claims to have started Serve. Its index goes too: detached, it outlived the app before
+    # (an idle process per model on a cluster that outlives `kvmesh serve`).
     stop_serving(started_serve=True, owner=SECOND)
     assert APP_NAME not in serve.status().applications
+    assert index_actors() == []
     assert other_app_answers()
     assert check_serve_free(tiny_config()) is True  # and a new kvmesh serve may deploy
