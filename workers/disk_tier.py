@@ -304,6 +304,15 @@ class DiskTier:
             remove_file(tmp)
             raise
 
+    def discard(self, block_hash: BlockHash) -> bool:
+        """Forget a block whose file read wrong, and delete the file; whether it was gone
+        already (deleted outside kvmesh) rather than torn or corrupt."""
+        self.files.pop(block_hash, None)
+        path = self.path(block_hash)
+        gone = not os.path.exists(path)  # never raises (a directory made unreadable)
+        remove_file(path)
+        return gone
+
     def read(self, block_hash: BlockHash) -> memoryview | None:
         """The block's payload when its file is whole and right, else None: read once into
         memory of its own (no copy of the payload after)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -34,11 +33,15 @@ import numpy as np
 import torch
 
 from kvmesh.workers.block_hash import BlockHash
-from kvmesh.workers.disk_tier import DiskTier, remove_file
+from kvmesh.workers.disk_tier import DiskTier
 from kvmesh.workers.host_slots import HostSlots
 from kvmesh.workers.tier_config import TierConfig, host_slots
 
 logger = logging.getLogger(__name__)
+_GONE = (
+    "disk tier: block files are gone from %s (deleted outside kvmesh?); their tokens are "
+    "computed (disk_missing_blocks counts them)"
+)
 
 # What a stopping worker spends writing its memory's blocks to disk at most (``keep_at_stop``):
 # within the 10 s its replica gives it to shut down, after its step thread's end.
@@ -191,22 +194,14 @@ class KvTiers:
             if payload is not None:
                 self.disk.files.move_to_end(block_hash)
                 return payload
-            del self.disk.files[block_hash]
-            path = self.disk.path(block_hash)
-            gone = not os.path.exists(path)  # never raises (a directory made unreadable)
+            gone = self.disk.discard(block_hash)
             self.stats["disk_missing_blocks" if gone else "disk_corrupt_blocks"] += 1
-            remove_file(path)
             self._notify("disk", [], [block_hash])
             first_gone = gone and self.stats["disk_missing_blocks"] == 1
-        if not gone:
+        if gone:  # a directory emptied by hand loses its files one read at a time: said once
+            logger.log(logging.WARNING if first_gone else logging.DEBUG, _GONE, self.disk.dir)
+        else:
             logger.warning("disk tier: block %s is torn or corrupt; computing it", block_hash.hex())
-        else:  # a directory emptied by hand vanishes a file at a time: said once
-            logger.log(
-                logging.WARNING if first_gone else logging.DEBUG,
-                "disk tier: block files are gone from %s (deleted outside kvmesh?); their "
-                "tokens are computed (disk_missing_blocks counts them)",
-                self.disk.dir,
-            )
         return None
 
     # -- demotion (the step thread) -----------------------------------------------------------
