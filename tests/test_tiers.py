@@ -231,7 +231,7 @@ class TierMachine(RuleBasedStateMachine):
     def every_path_once(self) -> None:
         """Each walk starts having loaded from both tiers and promoted for a peer (as in
         ``test_a_load_keeps_its_host_blocks_while_its_allocation_demotes``). Before, only the
-        walks as a whole were asked to, and a run now and then did none of one (a make test
+        walks as a whole were asked to, and a run now and then did none of one (a test run
         failed on it)."""
         for i in (0, 3, 0):  # 3 pushes 0's tail out to the tiers; 0 loads it back
             self.serve(i, [])
@@ -243,11 +243,8 @@ class TierMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, len(MACHINE_PROMPTS) - 1), tail=st.lists(st.integers(0, 3)))
     def serve(self, i: int, tail: list[int]) -> None:
-        req = self.h.new_request(f"r{self.n}", MACHINE_PROMPTS[i] + tail[:2])
+        serve_prompt(self.h, MACHINE_PROMPTS[i] + tail[:2], f"r{self.n}")
         self.n += 1
-        assert self.h.prefill(req) is not None
-        self.h.check_kv()
-        self.h.finish(req)
 
     @rule(i=st.integers(0, len(MACHINE_PROMPTS) - 1), n=st.integers(1, 4))
     def peer_pins(self, i: int, n: int) -> None:
