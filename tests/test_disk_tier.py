@@ -74,6 +74,25 @@ def test_files_deleted_outside_kvmesh_are_counted_as_gone_not_corrupt(
     t.close()
 
 
+def test_a_slot_whose_directory_was_deleted_is_locked_again(tmp_path: Path) -> None:
+    """The cache directory emptied by hand takes the slot's lock file with it: before, the
+    worker went on writing into a slot no lock guarded, and a worker starting next took the
+    same slot (the two would trim each other's files). Now the next write locks it again."""
+    a, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)
+    assert a.disk.slot == 0
+    shutil.rmtree(tmp_path / FP)
+    demote(a, [1])
+    settle(a)
+    b, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)  # a worker that starts now
+    assert (a.disk.slot, b.disk.slot) == (0, 1)
+    assert a.read(h(1)) == payload(h(1))
+    demote(a, [2])  # a slot whose lock is still its own: locked once, not again
+    settle(a)
+    assert a.read(h(2)) == payload(h(2))
+    a.close()
+    b.close()
+
+
 def test_workers_sharing_a_directory_take_slots_of_their_own(tmp_path: Path) -> None:
     a, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)
     b, _ = tiers(tmp_path, host_blocks=0, disk_blocks=4)

@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from kvmesh.workers.block_hash import BlockHash
+from kvmesh.workers.files import bytes_under, is_locked, remove_file, same_file
 from kvmesh.workers.memory_size import gib
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,31 @@ class DiskTier:
             self.slot, self._lock_fd = k, fd
             return True
         return False
+
+    def _lock_again(self) -> None:
+        """The slot's directory is gone (deleted outside kvmesh), and with the root's contents
+        its lock and size files too: lock the slot's lock file anew, so that a worker starting
+        now takes another slot, and record the size again. When another worker took the slot
+        meanwhile, this one says so and writes there still (checksums keep either from
+        serving a file torn by the other)."""
+        lock = self.base / f"slot-{self.slot}.lock"
+        try:
+            with self._room_turn():
+                if self._lock_fd is not None and same_file(lock, self._lock_fd):
+                    return  # only the slot's directory went; its lock is still this one's
+                fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    logger.warning("disk tier: %s was deleted and another worker took it", lock)
+                    return
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)
+                self._lock_fd = fd
+                self._size_file.write_text(str(self.capacity))
+        except (OSError, ValueError) as e:  # the write that follows says what is wrong
+            logger.debug("disk tier: locking %s again failed: %s", lock, e)
 
     def release(self) -> None:
         if self._lock_fd is not None:
@@ -256,13 +282,13 @@ class DiskTier:
         for size_path in Path(self.root).glob("*/slot-*.size"):
             if size_path == self._size_file:
                 continue
-            if not _held(size_path.with_suffix(".lock")):
+            if not is_locked(size_path.with_suffix(".lock")):
                 continue  # its worker is gone: its replacement will check again
             try:
                 capacity = int(size_path.read_text())
             except (OSError, ValueError):
                 continue
-            total += max(0, capacity - _bytes_under(size_path.with_suffix("")))
+            total += max(0, capacity - bytes_under(size_path.with_suffix("")))
         return total
 
     def _check_file(self, path: Path) -> BlockHash | None:
@@ -288,6 +314,8 @@ class DiskTier:
 
     def write(self, block_hash: BlockHash, payload: bytes | memoryview | np.ndarray) -> None:
         """Write one block's file (temporary name, then renamed). Raises OSError."""
+        if not self.dir.is_dir():
+            self._lock_again()
         path = self.path(block_hash)
         path.parent.mkdir(parents=True, exist_ok=True)
         checksum = xxhash.xxh3_64_intdigest(payload)
@@ -337,35 +365,3 @@ class DiskTier:
         if not ok or xxhash.xxh3_64_intdigest(payload) != checksum:
             return None
         return payload
-
-
-def _held(lock_path: Path) -> bool:
-    """Whether a worker holds this slot lock (a shared lock on it is refused)."""
-    try:
-        fd = os.open(lock_path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _bytes_under(directory: Path) -> int:
-    total = 0
-    for path in directory.glob("*/*"):
-        with contextlib.suppress(OSError):  # removed while counting
-            total += path.stat().st_size
-    return total
-
-
-def remove_file(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        logger.warning("cannot remove %s: %s", path, e.strerror)
