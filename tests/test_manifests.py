@@ -16,6 +16,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from kvmesh.cluster.config import API_KEY_ENV, ServeConfig
+from kvmesh.workers.memory_size import parse_memory
 from tests.k8s_validation import CRD_DIR, crd_validator, errors
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
@@ -71,6 +72,69 @@ def serve_apps(rayservice: dict[str, Any]) -> tuple[ServeDeploySchema, list[Serv
 def check_all(objs: list[dict[str, Any]]) -> None:
     problems = [f"{o['kind']}/{o['metadata']['name']}: {e}" for o in objs for e in errors(o)]
     assert not problems, "\n".join(problems)
+
+
+def quantity(value: str) -> int:
+    """Bytes of a Kubernetes memory or storage quantity ("34Gi", "512Mi")."""
+    return parse_memory(f"{value}B" if value.endswith("i") else value)
+
+
+def worker_room(rayservice: dict[str, Any]) -> tuple[ServeConfig, dict[str, Any], int]:
+    """The app's config, the worker group's pod spec, and how many kvmesh workers one of its
+    pods runs (its CPU and GPU limits over a worker's share)."""
+    _, (config,) = serve_apps(rayservice)
+    (worker,) = cluster_spec(rayservice)["workerGroupSpecs"]
+    pod = worker["template"]["spec"]
+    limits = pod["containers"][0]["resources"]["limits"]
+    fits = [int(limits["cpu"]) // int(config.num_cpus_per_worker)]
+    if config.num_gpus_per_worker:
+        fits.append(int(limits[GPU]) // int(config.num_gpus_per_worker))
+    return config, pod, min(fits)
+
+
+def check_tier_room(rayservice: dict[str, Any]) -> None:
+    """The disk tier lies on a volume of the node's disk that holds every worker's slot (the
+    kubelet evicts a pod past an emptyDir's sizeLimit, which kvmesh's own check of the disk's
+    free space cannot see), on a node picked for that much; the pod's memory, less its
+    memory-backed volumes, holds each worker's host tier and (on CPU) pool with 1 GiB more."""
+    config, pod, workers = worker_room(rayservice)
+    assert workers >= 1
+    (container,) = pod["containers"]
+    if config.disk_cache_dir:
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == config.disk_cache_dir]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["emptyDir"].get("medium", "") == ""  # the disk, not the pod's memory
+        size_limit = quantity(volume["emptyDir"]["sizeLimit"])
+        slots = workers * parse_memory(config.disk_cache_size)
+        assert size_limit >= slots, f"the disk tier's volume holds {size_limit} < {slots} bytes"
+        assert quantity(container["resources"]["requests"]["ephemeral-storage"]) >= size_limit
+    in_memory = sum(
+        quantity(v["emptyDir"]["sizeLimit"])
+        for v in pod["volumes"]
+        if v.get("emptyDir", {}).get("medium") == "Memory"
+    )
+    per_worker = parse_memory(config.host_cache_memory) + 2**30
+    if not config.num_gpus_per_worker:
+        per_worker += parse_memory(config.kv_cache_memory)
+    limit = quantity(container["resources"]["limits"]["memory"])
+    assert limit - in_memory >= workers * per_worker, (limit, in_memory, workers, per_worker)
+
+
+def test_the_tiers_fit_the_gpu_pods() -> None:
+    rayservice = by_kind(BASE_OBJECTS)["RayService"]
+    config, _, workers = worker_room(rayservice)
+    assert config.disk_cache_dir and parse_memory(config.host_cache_memory) > 0
+    assert workers == 1  # one GPU a pod
+    check_tier_room(rayservice)
+
+
+def test_a_disk_tier_larger_than_its_volume_is_caught() -> None:
+    rayservice = copy.deepcopy(by_kind(BASE_OBJECTS)["RayService"])
+    schema = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    schema["applications"][0]["args"]["disk_cache_size"] = "64GiB"
+    rayservice["spec"]["serveConfigV2"] = yaml.safe_dump(schema)
+    with pytest.raises(AssertionError, match="the disk tier's volume holds"):
+        check_tier_room(rayservice)
 
 
 @requires_crds
@@ -242,6 +306,8 @@ def test_cpu_overlay_serves_smollm2_without_gpus(rendered: dict) -> None:
     (worker,) = objs["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     cpus = int(worker["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
     assert config.num_unified_workers * config.num_cpus_per_worker <= cpus * worker["maxReplicas"]
+    check_tier_room(objs["RayService"])  # two workers a pod, each with a disk tier
+    assert config.disk_cache_dir and worker_room(objs["RayService"])[2] == 2
     assert set(by_kind(rendered["base"])) == {
         "RayService",
         "Service",
