@@ -291,8 +291,9 @@ class PullLoader:
             return reads.result(task.load_id, 0, writing=True)
 
     def _pull(self, task: _LoadTask, holder: str, n: int, reads: _Reads) -> int:
-        """Pin the first ``n`` blocks at ``holder``, read them (counted in ``reads``, failed
-        or not), release; blocks filled (0 on any failure). Raises TransferInFlight when the
+        """Pin the first ``n`` blocks at ``holder`` (it may hold fewer: the head its pool has
+        room for), read them (counted in ``reads``, failed or not), release; blocks filled
+        (0 on any failure). Raises TransferInFlight when the
         read could not be stopped."""
         n = min(n, len(task.hashes))
         hashes, local_ids = task.hashes[:n], task.block_ids[:n]
@@ -311,8 +312,11 @@ class PullLoader:
                 raise TransferError(f"{holder} refused the pin (no longer holds the blocks)")
             lease_id, remote_ids = lease
             try:
-                if len(remote_ids) != n:
+                if not 0 < len(remote_ids) <= n:
                     raise TransferError(f"{holder} pinned {len(remote_ids)} blocks")
+                # The head its pool had room to hold (promoting from its tiers): we compute
+                # the rest.
+                n, local_ids = len(remote_ids), local_ids[: len(remote_ids)]
                 started = time.perf_counter()
                 try:
                     nbytes = self.transport.read_blocks(

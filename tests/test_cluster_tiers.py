@@ -148,3 +148,44 @@ def test_a_peer_pulls_what_a_holder_keeps_in_its_tiers(medium: str, tmp_path: Pa
         assert wait_until(in_pool)
     finally:
         stop_workers([a, b, plain])
+
+
+def test_a_holder_short_of_room_gives_the_head_it_can_hold() -> None:
+    """a keeps the prompt in its host tier while its running requests hold all but 4 of its
+    pool's free blocks: b pulls the chain's first 4 blocks (a promotes just those) and
+    computes the rest, with a computing worker's outputs. Before, a refused the whole pin and
+    b computed everything (a tier soak: 52 of 54 pulls failed so)."""
+    (a,) = start_workers(1, num_kv_blocks=24, host_cache_memory="4MiB")
+    (b,) = start_workers(1, num_kv_blocks=64)
+    (plain,) = start_workers(1, num_kv_blocks=64, connector=False)
+    room = 4
+
+    def hold_all_but(self: Any, k: int) -> int:
+        """Take free blocks as running requests would (the fault this test injects)."""
+        w = self.worker
+        self.busy = w.call(lambda: w.kv.pool.get_new_blocks(w.kv.num_free_blocks - k))
+        return len(self.busy)
+
+    def give_back(self: Any) -> None:
+        self.worker.call(lambda: self.worker.kv.pool.free_blocks(self.busy))
+
+    try:
+        info, index, ids, hashes, want = evict(a, plain, 21)
+
+        def in_host() -> bool:
+            flush([a])
+            return tiers_of(index, hashes, info["worker_id"]).get("host") == len(hashes)
+
+        assert wait_until(in_host), tiers_of(index, hashes, info["worker_id"])
+        ray.get(a.__ray_call__.remote(hold_all_but, room))
+        assert wait_until(in_host)  # what the blocks taken held went to the host tier too
+        out = ray.get(b.generate.remote(ids, GREEDY))
+        assert out.token_ids == want
+        assert out.metrics.num_pulled_tokens == room * BS
+        assert out.metrics.num_computed_tokens == len(ids) - room * BS
+        stats = ray.get(b.connector_stats.remote())
+        assert stats["pull_failures"] == 0 and stats["pulled_blocks"] == room
+        ray.get(a.__ray_call__.remote(give_back))
+        assert ray.get(a.num_pinned.remote()) == 0
+    finally:
+        stop_workers([a, b, plain])

@@ -12,6 +12,7 @@ import pytest
 from kvmesh.workers.block_hash import BlockHash, block_hashes
 from kvmesh.workers.kv_connector import NoopKvCacheConnector
 from kvmesh.workers.llm import LLM
+from kvmesh.workers.peer_leases import PeerLeases, ToStage
 from kvmesh.workers.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
@@ -226,6 +227,54 @@ def test_a_pin_fills_a_hole_in_the_pool_from_the_tiers(reference: list[list[int]
     kv.check_integrity()
     kv.pins.unpin("lease")
     kv.check_integrity()
+    llm.close()
+
+
+def test_a_pin_without_room_for_every_promotion_holds_the_prefix_that_fits(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """A peer asks for a chain while the pool has room for only part of it: each block the
+    pin holds takes one free block (a free cached one leaves the queue, a missing one is
+    promoted into one), so the lease holds the chain's first ``room`` blocks, and only their
+    disk copies are staged. Before, the pin was refused whole and the peer computed it all
+    (a tier soak saw 52 of 54 pulls fail so)."""
+    kw = {"host_cache_memory": 12 * 8192, "disk_cache_dir": str(tmp_path)}
+    llm = LLM("tiny-random", num_kv_blocks=24, progress=False, **kw)
+    churn(llm, reference)
+    kv, tiers = llm.engine.kv, llm.engine.kv.connector.tiers
+    tiers.wait_written()
+    leases = PeerLeases("w", kv, llm.engine.kv_cache)
+    ns = llm.engine.fingerprint.namespace
+    room = 5
+    busy = kv.pool.get_new_blocks(kv.num_free_blocks - room)  # as running requests would hold
+    tiers.wait_written()
+
+    def media(chain: list[BlockHash]) -> list[str | None]:
+        return ["pool" if kv.pool.get_cached_block(x) else tiers.medium(x) for x in chain]
+
+    chains = [block_hashes(p, 16, ns)[:9] for p in PROMPTS]
+    in_host = next(c for c in chains if "host" in media(c) and set(media(c)) <= {"pool", "host"})
+    on_disk = next(c for c in chains if set(media(c)) == {"disk"})
+    expect = {x: tiers.read(x) for x in in_host if tiers.medium(x) == "host"}
+    lease_id, ids = leases.grant(in_host, 5.0, None)
+    assert [kv.pool.get_cached_block(x).block_id for x in in_host[:room]] == ids
+    for x, block_id in zip(in_host, ids, strict=False):
+        if x in expect:
+            assert llm.engine.kv_cache.read_block(block_id) == expect[x]
+    assert kv.num_free_blocks == 0 and kv.pins.num_refs == room
+    leases.release(lease_id)
+
+    staging = leases.grant(on_disk, 5.0, None)  # only the blocks that fit are read
+    assert isinstance(staging, ToStage) and staging.hashes == tuple(on_disk[:room])
+    staged = kv.connector.stage(staging.hashes)
+    del staged[on_disk[3]]  # its file failed the check: the lease stops before it
+    lease_id, ids = leases.grant(on_disk, 5.0, staged)
+    assert [kv.pool.get_cached_block(x).block_id for x in on_disk[:3]] == ids
+    for x, block_id in zip(on_disk, ids, strict=False):
+        assert llm.engine.kv_cache.read_block(block_id) == staged[x]
+    leases.release(lease_id)
+    kv.pool.free_blocks(busy)
+    kv.check_integrity()  # the pins' and the test's references all given back
     llm.close()
 
 

@@ -65,6 +65,19 @@ class Pins:
         self.leases[lease_id] = held
         return [b.block_id for b in held]
 
+    def room(self, hashes: list[BlockHash]) -> int:
+        """How many of ``hashes``, from the first, a pin can hold now: each takes a free
+        block (a free cached block leaves the queue; a block the pool lacks is promoted into
+        one). A chain is read from its head, so the rest is the peer's to compute."""
+        free = self.pool.num_free_blocks
+        for i, block_hash in enumerate(hashes):
+            block = self.pool.get_cached_block(block_hash)
+            if block is None or block.ref_cnt == 0:
+                free -= 1
+                if free < 0:
+                    return i
+        return len(hashes)
+
     def to_stage(
         self, hashes: list[BlockHash], staged: Mapping[BlockHash, BlockBytes]
     ) -> list[BlockHash]:

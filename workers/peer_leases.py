@@ -71,12 +71,18 @@ class PeerLeases:
         return int(self.kv.num_blocks * MAX_PINNED_FRACTION)
 
     def grant(
-        self, hashes: list[BlockHash], lease_s: float, staged: dict[BlockHash, BlockBytes]
+        self,
+        hashes: list[BlockHash],
+        lease_s: float,
+        staged: dict[BlockHash, BlockBytes] | None,
     ) -> tuple[str, list[int]] | ToStage | None:
-        """Pin the cached blocks of ``hashes`` (step thread): (lease id, block ids); None
-        when any is no longer cached here or the pin is refused; ``ToStage`` when some are
-        kept only on disk and not in ``staged``. Blocks the pool lacks but the host tier
-        holds are promoted into the pool first."""
+        """Pin the cached blocks of ``hashes``' longest head the pool has room for now
+        (``Pins.room``; step thread): (lease id, their block ids). None when it has room for
+        none, any of them is no longer cached here, or the pin is refused. Blocks the pool
+        lacks but the host tier holds are promoted into the pool first. Those kept only on
+        disk: with ``staged`` None, ``ToStage`` names them (read them, then ask again with
+        their copies); with ``staged`` given, the lease stops before the first one it lacks
+        (a file that failed its check, or room that changed meanwhile)."""
         if (
             not _valid_lease_s(lease_s)
             or not hashes
@@ -84,9 +90,14 @@ class PeerLeases:
             or len(self.leases) >= MAX_LEASES
         ):
             return self._refuse(f"{len(hashes)} blocks for {lease_s!r} s")
-        need = self.kv.pins.to_stage(hashes, staged)
-        if need:
+        hashes = hashes[: self.kv.pins.room(hashes)]
+        need = self.kv.pins.to_stage(hashes, staged or {})
+        if need and staged is None:
             return ToStage(tuple(need))
+        if need:
+            hashes = hashes[: hashes.index(need[0])]
+        if not hashes:
+            return None
         lease_id = secrets.token_hex(16)
         block_ids = self.kv.pins.pin(lease_id, hashes, staged)
         if block_ids is None:  # not all of them cached here (any more)
