@@ -115,20 +115,28 @@ def test_pin_refuses_bad_lease_lengths(worker: Worker, lease_s: object) -> None:
 
 def test_pin_caps_the_blocks_pinned_per_call_and_in_total(worker: Worker) -> None:
     free_before = worker.occupancy()["free_blocks"]
+
+    def block_ids(hashes: list[bytes]) -> list[int]:
+        return worker.call(lambda: [worker.kv.pool.get_cached_block(h).block_id for h in hashes])
+
     a = worker.pin(hashes_of(worker, 1), MAX_LEASE_S)  # 10 of 32 blocks: fine
     assert a is not None
     try:
-        # 10 more would make 20 > 16 pinned: refused, whole.
-        assert worker.pin(hashes_of(worker, 2), 5.0) is None
+        # 10 more would make 20 > 16 pinned: the lease holds the chain's head that fits.
+        c = worker.pin(hashes_of(worker, 2), 5.0)
+        assert c is not None and c[1] == block_ids(hashes_of(worker, 2, 6))
+        assert worker.num_pinned() == 16
+        assert worker.pin(hashes_of(worker, 2)[6:], 5.0) is None  # at the cap: none more
+        d = worker.pin(hashes_of(worker, 2), 5.0)  # the same chain again: the same head
+        assert d is not None and d[1] == c[1]
+        worker.release(d[0])
         assert worker.pin([], 5.0) is None
-        assert worker.num_pinned() == 10
         # The same blocks again add nothing new: allowed (concurrent pulls of one prefix).
         b = worker.pin(hashes_of(worker, 1), 5.0)
-        assert b is not None
+        assert b is not None and b[1] == a[1]
         worker.release(b[0])
-        c = worker.pin(hashes_of(worker, 2, 6), 5.0)  # 16 in all: at the cap
-        assert c is not None
         # A peer can never take more than half the pool from this worker's own requests.
+        assert worker.num_pinned() == 16
         assert worker.occupancy()["free_blocks"] >= NUM_BLOCKS - worker.leases.max_pinned_blocks
         worker.release(c[0])
     finally:

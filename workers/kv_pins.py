@@ -65,17 +65,19 @@ class Pins:
         self.leases[lease_id] = held
         return [b.block_id for b in held]
 
-    def room(self, hashes: list[BlockHash]) -> int:
+    def room(self, hashes: list[BlockHash], max_pinned: int) -> int:
         """How many of ``hashes``, from the first, a pin can hold now: each takes a free
         block (a free cached block leaves the queue; a block the pool lacks is promoted into
-        one). A chain is read from its head, so the rest is the peer's to compute."""
-        free = self.pool.num_free_blocks
+        one) and, unless a lease holds it already, one of the ``max_pinned`` blocks all leases
+        may hold together. A chain is read from its head: the rest is the peer's to compute."""
+        pinned = {b.block_id for blocks in self.leases.values() for b in blocks}
+        free, cap = self.pool.num_free_blocks, max_pinned - len(pinned)
         for i, block_hash in enumerate(hashes):
             block = self.pool.get_cached_block(block_hash)
-            if block is None or block.ref_cnt == 0:
-                free -= 1
-                if free < 0:
-                    return i
+            free -= block is None or block.ref_cnt == 0
+            cap -= block is None or block.block_id not in pinned
+            if free < 0 or cap < 0:
+                return i
         return len(hashes)
 
     def to_stage(

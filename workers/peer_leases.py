@@ -3,9 +3,10 @@ way their KV bytes leave (``export``).
 
 Peers are not trusted (any Ray driver on the cluster can call a worker actor): a lease id is
 an unguessable capability (``secrets.token_hex``), ``export`` serves only blocks of a live
-lease the caller names, and ``grant`` refuses (None) a lease longer than ``MAX_LEASE_S``,
-more than ``MAX_LEASES`` leases, or pins that would hold more than ``MAX_PINNED_FRACTION``
-of the pool, so a peer cannot starve this worker's own requests of blocks.
+lease the caller names, and ``grant`` refuses (None) a lease longer than ``MAX_LEASE_S`` or
+more than ``MAX_LEASES`` leases, and cuts a pin to the head of its chain that keeps all pins
+within ``MAX_PINNED_FRACTION`` of the pool, so a peer cannot starve this worker's own
+requests of blocks.
 
 ``grant``, ``release`` and ``expire`` run on the worker's step thread, which owns the KV
 cache manager; ``export`` runs on a caller's thread. Pinned blocks are full and cached, so
@@ -76,21 +77,17 @@ class PeerLeases:
         lease_s: float,
         staged: dict[BlockHash, BlockBytes] | None,
     ) -> tuple[str, list[int]] | ToStage | None:
-        """Pin the cached blocks of ``hashes``' longest head the pool has room for now
-        (``Pins.room``; step thread): (lease id, their block ids). None when it has room for
-        none, any of them is no longer cached here, or the pin is refused. Blocks the pool
-        lacks but the host tier holds are promoted into the pool first. Those kept only on
-        disk: with ``staged`` None, ``ToStage`` names them (read them, then ask again with
-        their copies); with ``staged`` given, the lease stops before the first one it lacks
-        (a file that failed its check, or room that changed meanwhile)."""
-        if (
-            not _valid_lease_s(lease_s)
-            or not hashes
-            or len(hashes) > self.max_pinned_blocks
-            or len(self.leases) >= MAX_LEASES
-        ):
+        """Pin the cached blocks of ``hashes``' longest head that the pool has room for now
+        and the pin cap allows (``Pins.room``; step thread): (lease id, their block ids).
+        None when that head is empty, any of it is no longer cached here, or the pin is
+        refused. Blocks the pool lacks but the host tier holds are promoted into the pool
+        first. Those kept only on disk: with ``staged`` None, ``ToStage`` names them (read
+        them, then ask again with their copies); with ``staged`` given, the lease stops
+        before the first one it lacks (a file that failed its check, or room that changed
+        meanwhile)."""
+        if not _valid_lease_s(lease_s) or not hashes or len(self.leases) >= MAX_LEASES:
             return self._refuse(f"{len(hashes)} blocks for {lease_s!r} s")
-        hashes = hashes[: self.kv.pins.room(hashes)]
+        hashes = hashes[: self.kv.pins.room(hashes, self.max_pinned_blocks)]
         need = self.kv.pins.to_stage(hashes, staged or {})
         if need and staged is None:
             return ToStage(tuple(need))
@@ -103,7 +100,7 @@ class PeerLeases:
         if block_ids is None:  # not all of them cached here (any more)
             return None
         ids = frozenset(block_ids)
-        if len(ids.union(self.pinned)) > self.max_pinned_blocks:
+        if len(ids.union(self.pinned)) > self.max_pinned_blocks:  # room's count is the guard
             self.kv.pins.unpin(lease_id)
             return self._refuse(f"{len(ids)} blocks ({len(self.pinned)} pinned already)")
         with self.lock:
