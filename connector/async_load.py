@@ -292,9 +292,9 @@ class PullLoader:
 
     def _pull(self, task: _LoadTask, holder: str, n: int, reads: _Reads) -> int:
         """Pin the first ``n`` blocks at ``holder`` (it may hold fewer: the head its pool has
-        room for), read them (counted in ``reads``, failed or not), release; blocks filled
-        (0 on any failure). Raises TransferInFlight when the
-        read could not be stopped."""
+        room for and its pin cap allows), read them (counted in ``reads``, failed or not),
+        release; blocks filled (0 on any failure). Raises TransferInFlight when the read
+        could not be stopped."""
         n = min(n, len(task.hashes))
         hashes, local_ids = task.hashes[:n], task.block_ids[:n]
         try:
@@ -314,8 +314,8 @@ class PullLoader:
             try:
                 if not 0 < len(remote_ids) <= n:
                     raise TransferError(f"{holder} pinned {len(remote_ids)} blocks")
-                # The head its pool had room to hold (promoting from its tiers): we compute
-                # the rest.
+                # The head it could hold (room to promote from its tiers, its pin cap): we
+                # compute the rest.
                 n, local_ids = len(remote_ids), local_ids[: len(remote_ids)]
                 started = time.perf_counter()
                 try:

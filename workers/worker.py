@@ -265,13 +265,14 @@ class Worker:
         """Hold the cached blocks of ``hashes`` for a peer; (lease id, block ids) or None.
 
         The ids are those of the chain's longest head the pool has room to hold now (a pin
-        may have to promote blocks into free ones), in order: the peer computes the rest.
-        None when that head is empty or any of its hashes is no longer cached here, and
-        None (refused, the peer computes instead) past ``PeerLeases``'s limits (the lease's
-        length, how many leases, how many blocks pinned). The lease id is a secret: only its
-        holder can read the blocks (``export_blocks``) or release them. Blocks the pool lacks
-        but the tiers hold are promoted into the pool first; those kept only on disk are
-        read here, on the caller's thread, between two calls into the step thread.
+        may have to promote blocks into free ones) and ``PeerLeases``'s cap on pinned blocks
+        allows, in order: the peer computes the rest. None when that head is empty or any
+        of its hashes is no longer cached here, and None (refused, the peer computes
+        instead) past ``PeerLeases``'s other limits (the lease's length, how many leases).
+        The lease id is a secret: only its holder can read the blocks (``export_blocks``) or
+        release them. Blocks the pool lacks but the tiers hold are promoted into the pool
+        first; those kept only on disk are read here, on the caller's thread, between two
+        calls into the step thread.
         """
         hashes = list(hashes)
         result = self.call(lambda: self.leases.grant(hashes, lease_s, None), peer=True)
