@@ -17,7 +17,8 @@ Behind the seam, in the manager's order:
 - ``promote`` (a peer pins blocks this worker keeps in a tier): copied back into fresh pool
   blocks, so the peer's read finds them in the pool. Blocks only on disk are read first, off
   the step thread (``disk_only`` names them, ``stage`` reads and checks them on the tier's
-  reader threads), and ``promote`` takes those bytes; a torn file refuses the whole pin.
+  reader threads), and ``promote`` takes those bytes; the pin stops before a torn file
+  (``PeerLeases.grant``), and the peer computes from there.
 - Everything else goes to the inner connector; tier changes reach it as ``on_tier_store`` /
   ``on_tier_remove`` (the cluster connector tells the index).
 """
