@@ -86,9 +86,9 @@ def worker_room(rayservice: dict[str, Any]) -> tuple[ServeConfig, dict[str, Any]
     (worker,) = cluster_spec(rayservice)["workerGroupSpecs"]
     pod = worker["template"]["spec"]
     limits = pod["containers"][0]["resources"]["limits"]
-    fits = [int(limits["cpu"]) // int(config.num_cpus_per_worker)]
+    fits = [int(int(limits["cpu"]) / config.num_cpus_per_worker)]
     if config.num_gpus_per_worker:
-        fits.append(int(limits[GPU]) // int(config.num_gpus_per_worker))
+        fits.append(int(int(limits[GPU]) / config.num_gpus_per_worker))
     return config, pod, min(fits)
 
 

@@ -10,7 +10,7 @@ can pull what a worker keeps in host memory or on disk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from kvmesh.workers.block_hash import BlockHash
 from kvmesh.workers.block_pool import BlockPool, KVBlock
@@ -65,12 +65,12 @@ class Pins:
         self.leases[lease_id] = held
         return [b.block_id for b in held]
 
-    def room(self, hashes: list[BlockHash], max_pinned: int) -> int:
+    def room(self, hashes: list[BlockHash], max_pinned: int, pinned: Collection[int]) -> int:
         """How many of ``hashes``, from the first, a pin can hold now: each takes a free
         block (a free cached block leaves the queue; a block the pool lacks is promoted into
-        one) and, unless a lease holds it already, one of the ``max_pinned`` blocks all leases
-        may hold together. A chain is read from its head: the rest is the peer's to compute."""
-        pinned = {b.block_id for blocks in self.leases.values() for b in blocks}
+        one) and, unless a lease holds it already (``pinned``: block ids), one of the
+        ``max_pinned`` blocks all leases may hold together. A chain is read from its head:
+        the rest is the peer's to compute."""
         free, cap = self.pool.num_free_blocks, max_pinned - len(pinned)
         for i, block_hash in enumerate(hashes):
             block = self.pool.get_cached_block(block_hash)

@@ -87,7 +87,7 @@ class PeerLeases:
         meanwhile)."""
         if not _valid_lease_s(lease_s) or not hashes or len(self.leases) >= MAX_LEASES:
             return self._refuse(f"{len(hashes)} blocks for {lease_s!r} s")
-        hashes = hashes[: self.kv.pins.room(hashes, self.max_pinned_blocks)]
+        hashes = hashes[: self.kv.pins.room(hashes, self.max_pinned_blocks, self.pinned)]
         need = self.kv.pins.to_stage(hashes, staged or {})
         if need and staged is None:
             return ToStage(tuple(need))
